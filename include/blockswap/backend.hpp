@@ -1,0 +1,107 @@
+// The device interface the engine talks to: memory, two streams, events.
+//
+// A backend has a compute stream (where blocks are computed) and one copy stream (where weights
+// move). Work on one stream runs in the order it was enqueued; ordering across streams is by
+// events only. Implementations are `final`: EmulatedDevice (emulated.hpp) runs anywhere and is
+// the test double; the CUDA backend runs on a GPU.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace blockswap {
+
+// Move-only owner of a range of host or device memory; frees it with the function it was made
+// with. The free function must not need the backend object that made it.
+class Buffer {
+public:
+  using Free = std::function<void(std::byte* data, std::size_t bytes)>;
+
+  Buffer() = default;
+  Buffer(std::byte* data, std::size_t bytes, Free free)
+      : data_(data), bytes_(bytes), free_(std::move(free)) {}
+  ~Buffer() { reset(); }
+
+  // move-only
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  Buffer(Buffer&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)),
+        free_(std::move(other.free_)) {}
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      free_ = std::move(other.free_);
+    }
+    return *this;
+  }
+
+  std::byte* data() const { return data_; }
+  std::size_t size() const { return bytes_; }
+  explicit operator bool() const { return data_ != nullptr; }
+
+  void reset() {
+    if (data_ != nullptr && free_) free_(data_, bytes_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+
+private:
+  std::byte* data_ = nullptr;
+  std::size_t bytes_ = 0;
+  Free free_;
+};
+
+enum class Stream { compute, copy };
+
+// A point in a stream's work, made by Backend::make_event and recorded by Backend::record.
+// Re-recording replaces the point; waits use the point recorded last before them.
+class Event {
+public:
+  virtual ~Event() = default;
+};
+
+struct MemoryStats {
+  std::size_t device_bytes = 0;      // device memory allocated through this backend now
+  std::size_t peak_device_bytes = 0; // the most it has been
+  std::size_t device_capacity = 0;   // what the device can hold
+  bool pinned_host = false;          // host buffers are page-locked
+};
+
+class Backend {
+public:
+  virtual ~Backend() = default;
+
+  // A short name for messages: "emulated", "cuda:0".
+  virtual std::string name() const = 0;
+  // Host memory for a block's weights, page-locked when possible. Synchronous.
+  virtual Buffer allocate_host(std::size_t bytes) = 0;
+  // Device memory. Synchronous. Throws OutOfMemory naming the sizes when it does not fit.
+  virtual Buffer allocate_device(std::size_t bytes) = 0;
+  // Enqueues a host-to-device copy on the copy stream; returns at once.
+  virtual void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) = 0;
+  // Enqueues a device-to-host copy on the copy stream; returns at once.
+  virtual void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) = 0;
+  // Enqueues filling released device memory with NaN on the copy stream, so that a read of a
+  // released slot shows; returns at once. A backend may do nothing.
+  virtual void poison(std::byte* device, std::size_t bytes) = 0;
+  // A new event, not yet recorded (waiting on it returns at once).
+  virtual std::unique_ptr<Event> make_event() = 0;
+  // Records `event` at the current end of `stream`; returns at once.
+  virtual void record(Event& event, Stream stream) = 0;
+  // Makes later work on `stream` wait for `event`. The host does not wait, except where the
+  // host itself is the compute stream (EmulatedDevice). Rethrows a failed copy's error when
+  // the host waits.
+  virtual void wait(Stream stream, const Event& event) = 0;
+  // Blocks the host until `event` has completed; rethrows the error of a copy that failed
+  // before it on the copy stream.
+  virtual void synchronize(const Event& event) = 0;
+  virtual MemoryStats memory() const = 0;
+};
+
+} // namespace blockswap

@@ -1,0 +1,58 @@
+// EmulatedDevice: a device emulated in host memory, for machines without a GPU and for tests.
+//
+// "Device" memory is a separate arena with an enforced capacity (going over throws
+// OutOfMemory, as on a GPU). The compute stream is the calling thread: computing on the device
+// means computing on the host, so waiting on the compute stream blocks the caller. The copy
+// stream is a thread of its own that executes copies in order, optionally throttled to a link
+// bandwidth so that copy/compute overlap can be studied on a laptop. Released memory is
+// poisoned with NaN.
+#pragma once
+
+#include <cstddef>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "blockswap/backend.hpp"
+
+namespace blockswap {
+
+struct EmulatedDeviceOptions {
+  std::size_t capacity_bytes = std::numeric_limits<std::size_t>::max();
+  double link_gbps = 0; // copy bandwidth in GB/s (1e9 bytes/s); 0 = as fast as memcpy
+};
+
+class EmulatedDevice final : public Backend {
+public:
+  explicit EmulatedDevice(EmulatedDeviceOptions options = {});
+  ~EmulatedDevice() override; // finishes the copies already enqueued, then stops the thread
+
+  // not copyable, not movable: the copy thread refers to this object's state
+  EmulatedDevice(const EmulatedDevice&) = delete;
+  EmulatedDevice& operator=(const EmulatedDevice&) = delete;
+
+  std::string name() const override;
+  Buffer allocate_host(std::size_t bytes) override;
+  Buffer allocate_device(std::size_t bytes) override;
+  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) override;
+  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) override;
+  void poison(std::byte* device, std::size_t bytes) override;
+  std::unique_ptr<Event> make_event() override;
+  void record(Event& event, Stream stream) override;
+  void wait(Stream stream, const Event& event) override;
+  void synchronize(const Event& event) override;
+  MemoryStats memory() const override;
+
+  // Fault injection: the copy enqueued `nth` copies from now (0 = the next one) fails without
+  // touching either side; the failure reaches whoever waits on the next event recorded on the
+  // copy stream.
+  void fail_copy(std::size_t nth = 0);
+  // Seconds the copy thread has spent copying, throttle included.
+  double copy_seconds() const;
+
+private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+} // namespace blockswap

@@ -1,0 +1,163 @@
+// The engine: executes a schedule on a backend, with the seed's verbs.
+//
+// It owns one host buffer per block (the authoritative copy of its frozen weights, pinned
+// where the backend can) and a fixed set of device slots, each big enough for the largest
+// block, allocated once. It knows nothing of tensors: a front end packs each block's weights
+// into host_data(i) and, through a ResidencyListener, points its tensors at device_data(i)
+// while the block is ready.
+//
+//   blockswap::Engine engine(backend, {bytes0, bytes1, ...}, {.blocks_to_swap = 2});
+//   // ... fill engine.host_data(i) for every block ...
+//   engine.prepare();
+//   for (int64_t i = 0; i < n; ++i) {
+//     engine.wait_for_block(i);            // the load of block i is complete (on the device)
+//     compute(engine.device_data(i));
+//     engine.after_forward(i);             // enqueue this block's moves
+//   }
+//
+// A block is *resident* when it owns a slot (its load may still be in flight) and *ready* once
+// wait_for_block has ordered compute after its load. Using a block that is not resident is an
+// error, never a silent read of the wrong weights. All methods may be called from any thread,
+// one at a time.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "blockswap/backend.hpp"
+#include "blockswap/schedule.hpp"
+
+namespace blockswap {
+
+struct EngineOptions {
+  std::string label = "block";    // the seed's block_type, used in messages
+  int64_t blocks_to_swap = 0;     // K
+  bool supports_backward = false; // training possible; starts in training mode when true
+  int64_t rotating_slots = 0;     // forward-only R (ScheduleOptions::rotating_slots)
+  Algorithm algorithm = Algorithm::blockswap;
+  bool debug = false; // print each move and wait with its duration, as the seed does
+  std::function<void(const std::string&)> log = {}; // debug lines go here; stderr when empty
+};
+
+struct EngineStats {
+  uint64_t h2d_bytes = 0;
+  uint64_t d2h_bytes = 0;
+  uint64_t moves = 0;        // blocks loaded into a slot by a move (prepare not counted)
+  double stall_seconds = 0;  // time the host spent blocked waiting for loads
+  uint64_t device_bytes = 0; // slot memory allocated now
+  uint64_t peak_device_bytes = 0;
+};
+
+// Told when a block becomes ready on the device and when it leaves it. Called with the
+// engine's lock held: it must not call back into the engine.
+class ResidencyListener {
+public:
+  virtual ~ResidencyListener() = default;
+  virtual void on_ready(int64_t block, std::byte* device_data) = 0;
+  virtual void on_evicted(int64_t block) = 0;
+};
+
+class Engine {
+public:
+  // `block_bytes[i]` is the size of block i's packed weights. Throws Error for an empty block
+  // list or an out-of-range K, OutOfMemory when the slots do not fit on the device.
+  Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
+         EngineOptions options);
+  // Waits for copies in flight and frees the slots; never throws.
+  ~Engine();
+
+  // not copyable, not movable: listeners and in-flight copies refer to it
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const std::string& label() const { return options_.label; }
+  Backend& backend() const { return *backend_; }
+  // The host copy of block i's weights: fill it before prepare(). host_buffer shares it, so
+  // that the weights can outlive the engine (e.g. as tensors over it).
+  std::byte* host_data(int64_t block) const;
+  std::shared_ptr<Buffer> host_buffer(int64_t block) const;
+  std::size_t block_bytes(int64_t block) const;
+  std::size_t slot_bytes() const { return slot_bytes_; }
+
+  // Places blocks as the current schedule starts (all of them when swapping is disabled) and
+  // waits until they are loaded. Synchronous, like the seed's.
+  void prepare();
+  // Orders compute after block i's load. Throws if block i is not resident.
+  void wait_for_block(int64_t block);
+  // The current schedule's moves after block i's forward / backward. No-ops while disabled.
+  void after_forward(int64_t block);
+  void after_backward(int64_t block);
+
+  void disable();
+  void enable();
+  bool enabled() const;
+  void set_forward_only(bool forward_only);
+  bool forward_only() const;
+  void set_listener(ResidencyListener* listener);
+
+  bool is_resident(int64_t block) const;
+  bool is_ready(int64_t block) const;
+  // Block i's weights on the device. Throws unless block i is ready.
+  std::byte* device_data(int64_t block) const;
+  // Block i's weights were changed on the device: copy them back when it is evicted.
+  void mark_dirty(int64_t block);
+  // Blocks the host until every copy enqueued so far has completed.
+  void synchronize();
+
+  const Schedule& schedule() const;
+  EngineStats stats() const;
+  void reset_stats();
+
+private:
+  struct BlockState {
+    std::shared_ptr<Buffer> host;
+    std::size_t bytes = 0;
+    int64_t slot = -1;
+    bool ready = false;
+    bool dirty = false;
+    std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
+    int64_t replaced = -1;         // for debug lines: the block its load evicted
+    std::chrono::steady_clock::time_point submitted;
+  };
+  struct SlotState {
+    Buffer memory;
+    int64_t block = -1;
+    std::unique_ptr<Event> released; // recorded on the compute stream after its last reader
+  };
+
+  const Schedule& current() const;
+  void check_block(int64_t block) const;
+  void move(const Move& move);
+  void evict(int64_t block, bool refilled);
+  void load(int64_t block, int64_t slot);
+  void mark_ready(int64_t block);
+  void forget_unready_loads();
+  void ensure_slots(int64_t count);
+  void release_empty_slots();
+  void synchronize_locked();
+  void log(const std::string& line) const;
+
+  std::shared_ptr<Backend> backend_;
+  EngineOptions options_;
+  Schedule forward_only_;
+  std::optional<Schedule> training_; // when supports_backward
+  bool is_forward_only_;
+  bool enabled_ = true;
+  std::size_t slot_bytes_ = 0;
+  std::vector<BlockState> blocks_;
+  std::vector<SlotState> slots_;
+  std::unique_ptr<Event> copies_done_;
+  ResidencyListener* listener_ = nullptr;
+  EngineStats stats_;
+  mutable std::mutex mutex_;
+};
+
+} // namespace blockswap

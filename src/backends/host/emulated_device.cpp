@@ -1,0 +1,259 @@
+#include "blockswap/emulated.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <mutex>
+#include <thread>
+
+#include "blockswap/error.hpp"
+
+namespace blockswap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr std::size_t kAlignment = 256; // as cudaMalloc: every tensor dtype is aligned
+
+std::size_t round_up(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
+// One recording of an event: done once the stream reaches it.
+struct Mark {
+  bool done = false;
+  std::exception_ptr error;
+};
+
+class EmulatedEvent final : public Event {
+public:
+  std::shared_ptr<Mark> mark = std::make_shared<Mark>(Mark{true, nullptr});
+};
+
+struct Task {
+  enum class Kind { copy, poison, wait, record };
+  Kind kind = Kind::copy;
+  std::byte* dst = nullptr;
+  const std::byte* src = nullptr;
+  std::size_t bytes = 0;
+  std::shared_ptr<Mark> mark;
+  bool fail = false;
+};
+
+void poison_bytes(std::byte* data, std::size_t bytes) {
+  // 0xFF in every byte is a NaN in float32, float16 and bfloat16 alike.
+  std::memset(data, 0xFF, bytes);
+}
+
+} // namespace
+
+struct EmulatedDevice::State {
+  EmulatedDeviceOptions options;
+
+  mutable std::mutex mutex;
+  std::condition_variable changed; // queue grew, a mark completed, or stopping
+  std::deque<Task> queue;
+  bool stopping = false;
+  std::exception_ptr pending_error; // a failed copy, waiting for the next record
+  std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
+  double copy_seconds = 0;
+
+  std::size_t device_bytes = 0;
+  std::size_t peak_device_bytes = 0;
+
+  std::thread thread;
+
+  void enqueue(Task task) {
+    {
+      std::lock_guard lock(mutex);
+      if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) task.fail = true;
+      queue.push_back(std::move(task));
+    }
+    changed.notify_all();
+  }
+
+  void run() {
+    std::unique_lock lock(mutex);
+    for (;;) {
+      changed.wait(lock, [&] { return stopping || !queue.empty(); });
+      if (queue.empty()) return; // stopping, and everything enqueued is done
+      Task task = std::move(queue.front());
+      queue.pop_front();
+      switch (task.kind) {
+      case Task::Kind::wait:
+        changed.wait(lock, [&] { return task.mark->done; });
+        break;
+      case Task::Kind::record:
+        task.mark->error = std::exchange(pending_error, nullptr);
+        task.mark->done = true;
+        changed.notify_all();
+        break;
+      case Task::Kind::poison:
+        lock.unlock();
+        poison_bytes(task.dst, task.bytes);
+        lock.lock();
+        break;
+      case Task::Kind::copy:
+        if (task.fail) {
+          pending_error = std::make_exception_ptr(Error(
+              detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
+          break;
+        }
+        lock.unlock();
+        const auto start = Clock::now();
+        copy_paced(task, start);
+        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        lock.lock();
+        copy_seconds += seconds;
+        break;
+      }
+    }
+  }
+
+  // Copies at the link's pace, chunk by chunk, so that a reader that does not wait sees a
+  // partial copy for the whole duration of the transfer, as on a real link.
+  void copy_paced(const Task& task, Clock::time_point start) const {
+    if (options.link_gbps <= 0) {
+      std::memcpy(task.dst, task.src, task.bytes);
+      return;
+    }
+    constexpr std::size_t kChunk = std::size_t{1} << 20;
+    for (std::size_t done = 0; done < task.bytes;) {
+      const std::size_t n = std::min(kChunk, task.bytes - done);
+      std::memcpy(task.dst + done, task.src + done, n);
+      done += n;
+      const std::chrono::duration<double> due(done / (options.link_gbps * 1e9));
+      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(due));
+    }
+  }
+
+  std::shared_ptr<Mark> wait_mark(const Event& event) {
+    const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
+    BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
+    std::shared_ptr<Mark> mark = emulated->mark;
+    std::unique_lock lock(mutex);
+    changed.wait(lock, [&] { return mark->done; });
+    return mark;
+  }
+};
+
+EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : state_(std::make_shared<State>()) {
+  BLOCKSWAP_CHECK(options.link_gbps >= 0, "emulated device: link_gbps must be >= 0, got ",
+                  options.link_gbps);
+  state_->options = options;
+  state_->thread = std::thread([state = state_.get()] { state->run(); });
+}
+
+EmulatedDevice::~EmulatedDevice() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  state_->changed.notify_all();
+  state_->thread.join();
+}
+
+std::string EmulatedDevice::name() const {
+  return "emulated";
+}
+
+Buffer EmulatedDevice::allocate_host(std::size_t bytes) {
+  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1));
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
+  if (data == nullptr)
+    throw Error(detail::concat("cannot allocate ", bytes, " bytes of host memory"));
+  return Buffer(data, bytes, [](std::byte* p, std::size_t) { std::free(p); });
+}
+
+Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
+  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1));
+  {
+    std::lock_guard lock(state_->mutex);
+    const std::size_t capacity = state_->options.capacity_bytes;
+    if (size > capacity || state_->device_bytes > capacity - size) {
+      throw OutOfMemory(detail::concat("emulated device out of memory: cannot allocate ", bytes,
+                                       " bytes with ", state_->device_bytes, " of ", capacity,
+                                       " bytes in use"));
+    }
+    state_->device_bytes += size;
+    state_->peak_device_bytes = std::max(state_->peak_device_bytes, state_->device_bytes);
+  }
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
+  if (data == nullptr) {
+    std::lock_guard lock(state_->mutex);
+    state_->device_bytes -= size;
+    throw OutOfMemory(detail::concat("emulated device: the host could not provide ", bytes,
+                                     " bytes for device memory"));
+  }
+  poison_bytes(data, size); // fresh device memory holds garbage, as on a GPU
+  // The buffer may outlive this object (e.g. a tensor still refers to it): share the state.
+  return Buffer(data, bytes, [state = state_, size](std::byte* p, std::size_t) {
+    std::free(p);
+    std::lock_guard lock(state->mutex);
+    state->device_bytes -= size;
+  });
+}
+
+void EmulatedDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) {
+  state_->enqueue(Task{Task::Kind::copy, device, host, bytes, nullptr, false});
+}
+
+void EmulatedDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) {
+  state_->enqueue(Task{Task::Kind::copy, host, device, bytes, nullptr, false});
+}
+
+void EmulatedDevice::poison(std::byte* device, std::size_t bytes) {
+  if (bytes > 0) state_->enqueue(Task{Task::Kind::poison, device, nullptr, bytes, nullptr, false});
+}
+
+std::unique_ptr<Event> EmulatedDevice::make_event() {
+  return std::make_unique<EmulatedEvent>();
+}
+
+void EmulatedDevice::record(Event& event, Stream stream) {
+  auto* emulated = dynamic_cast<EmulatedEvent*>(&event);
+  BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
+  if (stream == Stream::compute) {
+    // The host is the compute stream: everything enqueued on it has already run.
+    emulated->mark = std::make_shared<Mark>(Mark{true, nullptr});
+    return;
+  }
+  emulated->mark = std::make_shared<Mark>();
+  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, emulated->mark, false});
+}
+
+void EmulatedDevice::wait(Stream stream, const Event& event) {
+  if (stream == Stream::compute) {
+    synchronize(event);
+    return;
+  }
+  const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
+  BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
+  state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false});
+}
+
+void EmulatedDevice::synchronize(const Event& event) {
+  const std::shared_ptr<Mark> mark = state_->wait_mark(event);
+  if (mark->error) std::rethrow_exception(mark->error);
+}
+
+MemoryStats EmulatedDevice::memory() const {
+  std::lock_guard lock(state_->mutex);
+  return MemoryStats{state_->device_bytes, state_->peak_device_bytes,
+                     state_->options.capacity_bytes, false};
+}
+
+void EmulatedDevice::fail_copy(std::size_t nth) {
+  std::lock_guard lock(state_->mutex);
+  state_->copies_until_failure = nth;
+}
+
+double EmulatedDevice::copy_seconds() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->copy_seconds;
+}
+
+} // namespace blockswap

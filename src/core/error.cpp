@@ -1,0 +1,11 @@
+#include "blockswap/error.hpp"
+
+namespace blockswap::detail {
+
+void throw_internal(const char* condition, const char* file, int line, const std::string& message) {
+  throw Error(concat("blockswap internal error: ", condition, " failed at ", file, ":", line,
+                     message.empty() ? "" : ": ", message,
+                     " (this is a bug in blockswap; please report it)"));
+}
+
+} // namespace blockswap::detail

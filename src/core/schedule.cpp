@@ -1,0 +1,144 @@
+#include "blockswap/schedule.hpp"
+
+#include <algorithm>
+
+#include "blockswap/error.hpp"
+
+namespace blockswap {
+
+const char* to_string(Mode mode) {
+  return mode == Mode::training ? "training" : "forward-only";
+}
+
+const char* to_string(Algorithm algorithm) {
+  return algorithm == Algorithm::seed ? "seed" : "blockswap";
+}
+
+int64_t Schedule::max_blocks_to_swap(int64_t blocks, Mode mode) {
+  // Forward-only needs one slot to stream through. Training needs two: in backward, the block
+  // being differentiated and the one being loaded for the next backward must coexist.
+  return std::max<int64_t>(0, blocks - (mode == Mode::training ? 2 : 1));
+}
+
+void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode) {
+  BLOCKSWAP_CHECK(blocks >= 1, "a model needs at least one block, got N=", blocks);
+  const int64_t max_k = max_blocks_to_swap(blocks, mode);
+  BLOCKSWAP_CHECK(blocks_to_swap >= 0 && blocks_to_swap <= max_k,
+                  "blocks_to_swap K=", blocks_to_swap, " is out of range for N=", blocks,
+                  " blocks in ", to_string(mode), " mode: expected 0 <= K <= ", max_k);
+}
+
+Schedule::Schedule(const ScheduleOptions& options)
+    : blocks_(options.blocks), blocks_to_swap_(options.blocks_to_swap), mode_(options.mode),
+      algorithm_(options.algorithm) {
+  check(blocks_, blocks_to_swap_, mode_);
+  slots_ = blocks_ - blocks_to_swap_;
+  initial_slots_.assign(blocks_, -1);
+  forward_moves_.resize(blocks_);
+  backward_moves_.resize(blocks_);
+
+  if (blocks_to_swap_ == 0) {
+    for (int64_t b = 0; b < blocks_; ++b) initial_slots_[b] = b;
+    return;
+  }
+  if (mode_ == Mode::training) {
+    build_training();
+    return;
+  }
+  const int64_t max_r = blocks_ - blocks_to_swap_;
+  if (algorithm_ == Algorithm::seed) {
+    rotating_slots_ = max_r;
+  } else if (options.rotating_slots == 0) {
+    rotating_slots_ = std::min<int64_t>(2, max_r);
+  } else {
+    BLOCKSWAP_CHECK(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
+                    "rotating_slots R=", options.rotating_slots, " is out of range for N=", blocks_,
+                    ", K=", blocks_to_swap_, ": expected 1 <= R <= N-K = ", max_r);
+    rotating_slots_ = options.rotating_slots;
+  }
+  build_forward_only();
+}
+
+// Note [rotation]
+// Forward-only, K blocks do not fit. R slots are set aside for rotation and the other N-K-R
+// slots hold blocks that never move. M = K+R blocks rotate: r_0 < r_1 < ... < r_{M-1}; prepare
+// loads r_0..r_{R-1}. After r_j's forward, its slot receives r_{(j+R) mod M}: the
+// next rotating block that uses that slot, possibly in the next pass. (When R does not divide
+// M, a block meets a different slot in each pass; the engine follows the moves, not slot
+// numbers.) Every rotating block is
+// loaded once per pass, so a pass loads K+R blocks (the seed loads all N).
+//
+// The load into a slot can start once the previous occupant's compute has finished and must
+// end before the new occupant's compute starts, so it hides behind the compute of the blocks
+// in between. Spreading the rotating blocks evenly between the fixed ones maximises the
+// smallest such gap; a contiguous run would give each load the compute of about R-1 blocks.
+// With R = N-K every block rotates (r_j = j), which is exactly the seed's cyclic scheme.
+void Schedule::build_forward_only() {
+  const int64_t rotating = blocks_to_swap_ + rotating_slots_;
+  std::vector<int64_t> order(rotating);
+  std::vector<bool> rotates(blocks_, false);
+  for (int64_t j = 0; j < rotating; ++j) {
+    order[j] = j * blocks_ / rotating; // strictly increasing because rotating <= blocks_
+    rotates[order[j]] = true;
+  }
+  int64_t fixed_slot = rotating_slots_;
+  for (int64_t b = 0; b < blocks_; ++b) {
+    if (!rotates[b]) initial_slots_[b] = fixed_slot++;
+  }
+  BLOCKSWAP_ASSERT(fixed_slot == slots_, "fixed slots ", fixed_slot, " != ", slots_);
+  for (int64_t j = 0; j < rotating; ++j) {
+    if (j < rotating_slots_) initial_slots_[order[j]] = j;
+    forward_moves_[order[j]].push_back(Move{order[j], order[(j + rotating_slots_) % rotating]});
+  }
+  loads_per_pass_ = rotating;
+}
+
+// The seed's training moves (DESIGN.md section 1). Blocks 0..N-K-1 start in slots 0..N-K-1.
+// Forward: after block i < K, block N-K+i takes slot i. Backward: after block b, with
+// p = N-b-1 blocks propagated, 1 <= p <= K, block K-p returns to its own slot K-p, evicting
+// block b+1 = N-p (which had borrowed that slot in forward).
+void Schedule::build_training() {
+  const int64_t n = blocks_;
+  const int64_t k = blocks_to_swap_;
+  for (int64_t b = 0; b < n - k; ++b) initial_slots_[b] = b;
+  for (int64_t i = 0; i < k; ++i) forward_moves_[i].push_back(Move{i, n - k + i});
+  for (int64_t p = 1; p <= k; ++p) {
+    const int64_t b = n - p - 1;
+    backward_moves_[b].push_back(Move{b + 1, k - p});
+  }
+  loads_per_pass_ = 2 * k;
+}
+
+std::span<const Move> Schedule::after_forward(int64_t block) const {
+  BLOCKSWAP_CHECK(block >= 0 && block < blocks_, "block index ", block,
+                  " is out of range for N=", blocks_, " blocks");
+  return forward_moves_[block];
+}
+
+std::span<const Move> Schedule::after_backward(int64_t block) const {
+  BLOCKSWAP_CHECK(block >= 0 && block < blocks_, "block index ", block,
+                  " is out of range for N=", blocks_, " blocks");
+  return backward_moves_[block];
+}
+
+std::vector<Op> Schedule::pass() const {
+  std::vector<Op> ops;
+  auto emit = [&](Op::Kind kind, int64_t block, std::span<const Move> moves) {
+    ops.push_back(Op{kind, block, {}});
+    for (const Move& m : moves) ops.push_back(Op{Op::Kind::move, block, m});
+  };
+  for (int64_t b = 0; b < blocks_; ++b) emit(Op::Kind::forward, b, forward_moves_[b]);
+  if (mode_ == Mode::training) {
+    for (int64_t b = blocks_ - 1; b >= 0; --b) emit(Op::Kind::backward, b, backward_moves_[b]);
+  }
+  return ops;
+}
+
+std::string Schedule::describe() const {
+  return detail::concat(to_string(algorithm_), " schedule, ", to_string(mode_), ", N=", blocks_,
+                        ", K=", blocks_to_swap_, ", slots=", slots_,
+                        mode_ == Mode::forward_only ? detail::concat(", R=", rotating_slots_) : "",
+                        ", loads per pass=", loads_per_pass_);
+}
+
+} // namespace blockswap

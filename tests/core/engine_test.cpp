@@ -1,0 +1,337 @@
+#include "blockswap/engine.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+
+#include "blockswap/emulated.hpp"
+#include "blockswap/error.hpp"
+
+namespace blockswap {
+namespace {
+
+// A model whose block i holds floats i*1e4 + j. "Computing" a block checks that the engine
+// hands out exactly those weights.
+struct FakeModel {
+  std::vector<std::size_t> floats;
+  std::vector<std::size_t> bytes() const {
+    std::vector<std::size_t> out;
+    for (std::size_t f : floats) out.push_back(f * sizeof(float));
+    return out;
+  }
+  static float value(int64_t block, std::size_t j) { return float(block) * 1e4f + float(j); }
+
+  void fill(Engine& engine) const {
+    for (std::size_t b = 0; b < floats.size(); ++b) {
+      auto* host = reinterpret_cast<float*>(engine.host_data(int64_t(b)));
+      for (std::size_t j = 0; j < floats[b]; ++j) host[j] = value(int64_t(b), j);
+    }
+  }
+  // Returns the number of wrong values read from the device copy of `block`.
+  std::size_t compute(const Engine& engine, int64_t block) const {
+    const auto* dev = reinterpret_cast<const float*>(engine.device_data(block));
+    std::size_t wrong = 0;
+    for (std::size_t j = 0; j < floats[block]; ++j) wrong += dev[j] != value(block, j);
+    return wrong;
+  }
+  std::vector<std::byte> snapshot(const Engine& engine) const {
+    std::vector<std::byte> all;
+    for (std::size_t b = 0; b < floats.size(); ++b) {
+      const std::byte* host = engine.host_data(int64_t(b));
+      all.insert(all.end(), host, host + floats[b] * sizeof(float));
+    }
+    return all;
+  }
+};
+
+FakeModel uniform(int64_t n, std::size_t floats = 4096) {
+  return FakeModel{std::vector<std::size_t>(n, floats)};
+}
+
+void forward(Engine& engine, const FakeModel& model) {
+  for (int64_t i = 0; i < engine.blocks(); ++i) {
+    engine.wait_for_block(i);
+    ASSERT_EQ(model.compute(engine, i), 0u) << "block " << i << " forward";
+    engine.after_forward(i);
+  }
+}
+
+void backward(Engine& engine, const FakeModel& model) {
+  for (int64_t b = engine.blocks() - 1; b >= 0; --b) {
+    engine.wait_for_block(b);
+    ASSERT_EQ(model.compute(engine, b), 0u) << "block " << b << " backward";
+    engine.after_backward(b);
+  }
+}
+
+std::shared_ptr<EmulatedDevice> slow_device(double gbps = 2.0) {
+  return std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{.link_gbps = gbps});
+}
+
+TEST(Engine, ForwardOnlyLoadsOnlyWhatIsMissing) {
+  const FakeModel model = uniform(24);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 6, .rotating_slots = 2});
+  model.fill(engine);
+  engine.prepare();
+  engine.reset_stats();
+  for (int pass = 0; pass < 3; ++pass) {
+    engine.prepare();
+    forward(engine, model);
+    if (HasFatalFailure()) return;
+    const EngineStats stats = engine.stats();
+    EXPECT_EQ(stats.moves, 8u * (pass + 1));
+    EXPECT_EQ(stats.h2d_bytes, 8u * (pass + 1) * 4096 * sizeof(float));
+    EXPECT_EQ(stats.d2h_bytes, 0u);
+  }
+  EXPECT_EQ(engine.stats().peak_device_bytes, 18u * 4096 * sizeof(float));
+}
+
+TEST(Engine, TrainingStepLoadsTwoKBlocksAndCopiesNothingBack) {
+  const FakeModel model = uniform(24);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 6, .supports_backward = true});
+  model.fill(engine);
+  engine.prepare();
+  engine.reset_stats();
+  for (int step = 0; step < 3; ++step) {
+    engine.prepare();
+    forward(engine, model);
+    backward(engine, model);
+    if (HasFatalFailure()) return;
+  }
+  const EngineStats stats = engine.stats();
+  EXPECT_EQ(stats.moves, 3u * 12);
+  EXPECT_EQ(stats.h2d_bytes, 3u * 12 * 4096 * sizeof(float));
+  EXPECT_EQ(stats.d2h_bytes, 0u);
+  EXPECT_EQ(stats.peak_device_bytes, 18u * 4096 * sizeof(float));
+}
+
+TEST(Engine, EveryShapeComputesWithTheRightWeights) {
+  for (int64_t n : {1, 2, 3, 5, 8}) {
+    for (bool training : {false, true}) {
+      const Mode mode = training ? Mode::training : Mode::forward_only;
+      for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
+        for (Algorithm algorithm : {Algorithm::blockswap, Algorithm::seed}) {
+          // Unequal blocks: a slot fits the largest.
+          FakeModel model;
+          for (int64_t b = 0; b < n; ++b) model.floats.push_back(256 + 64 * std::size_t(b % 3));
+          Engine engine(
+              slow_device(8.0), model.bytes(),
+              {.blocks_to_swap = k, .supports_backward = training, .algorithm = algorithm});
+          model.fill(engine);
+          const auto before = model.snapshot(engine);
+          for (int pass = 0; pass < 2; ++pass) {
+            engine.prepare();
+            forward(engine, model);
+            if (training) backward(engine, model);
+            if (HasFatalFailure()) return;
+          }
+          engine.synchronize();
+          EXPECT_EQ(model.snapshot(engine), before) << "host weights changed";
+          if (algorithm == Algorithm::seed) {
+            EXPECT_EQ(
+                engine.stats().d2h_bytes, engine.stats().h2d_bytes - [&] {
+                  std::size_t first = 0; // the first prepare's loads are not moves
+                  for (int64_t b = 0; b < n - k; ++b) first += model.bytes()[b];
+                  return first;
+                }());
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Engine, SeedReplayMovesEveryBlockAndCopiesBack) {
+  const FakeModel model = uniform(24, 1024);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 6, .algorithm = Algorithm::seed});
+  model.fill(engine);
+  engine.prepare();
+  engine.reset_stats();
+  forward(engine, model);
+  EXPECT_EQ(engine.stats().moves, 24u);
+  EXPECT_EQ(engine.stats().d2h_bytes, 24u * 1024 * sizeof(float));
+}
+
+TEST(Engine, WaitOrdersComputeAfterTheLoad) {
+  // A slow link: block 3 is still in flight when we ask for it, and must arrive whole.
+  const FakeModel model = uniform(4, 1 << 20); // 4 MiB blocks at 1 GB/s: ~4 ms each
+  Engine engine(slow_device(1.0), model.bytes(), {.blocks_to_swap = 1, .rotating_slots = 1});
+  model.fill(engine);
+  engine.prepare();
+  engine.wait_for_block(0);
+  engine.after_forward(0); // rotation {0, 2}: block 2 loads into block 0's slot
+  EXPECT_TRUE(engine.is_resident(2));
+  EXPECT_FALSE(engine.is_ready(2));
+  EXPECT_THROW(engine.device_data(2), Error); // still loading: using it is an error
+  engine.wait_for_block(1);
+  engine.wait_for_block(2);
+  EXPECT_EQ(model.compute(engine, 2), 0u);
+  EXPECT_GT(engine.stats().stall_seconds, 0.0);
+}
+
+TEST(Engine, UsingABlockThatIsNotResidentIsAnError) {
+  // A broken schedule on purpose: block 5 is computed before the move that brings it.
+  const FakeModel model = uniform(8);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 3, .rotating_slots = 5});
+  model.fill(engine);
+  engine.prepare();
+  EXPECT_FALSE(engine.is_resident(5));
+  try {
+    engine.wait_for_block(5);
+    FAIL() << "waiting for a block that is not on the device succeeded";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block 5 is not on the device"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(engine.device_data(5), Error);
+  EXPECT_THROW(engine.wait_for_block(8), Error);
+  EXPECT_THROW(engine.after_forward(-1), Error);
+}
+
+TEST(Engine, AReleasedSlotIsPoisoned) {
+  // Block 0 is larger than block 2, which replaces it: a stale pointer into block 0's slot
+  // reads NaN past block 2's end instead of plausible weights.
+  FakeModel model{{4096, 1024, 1024, 1024}};
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 1, .rotating_slots = 1});
+  model.fill(engine);
+  engine.prepare();
+  engine.wait_for_block(0);
+  const auto* stale = reinterpret_cast<const float*>(engine.device_data(0));
+  engine.after_forward(0);
+  engine.synchronize();
+  EXPECT_FALSE(engine.is_resident(0));
+  EXPECT_EQ(stale[0], FakeModel::value(2, 0)); // the slot now holds block 2
+  EXPECT_TRUE(std::isnan(stale[2000]));
+}
+
+TEST(Engine, SlotsThatDoNotFitAreOutOfMemory) {
+  const FakeModel model = uniform(8, 1024); // 4 KiB blocks; K=2 needs 6 slots = 24 KiB
+  auto device = std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{.capacity_bytes = 20480});
+  EXPECT_THROW(Engine(device, model.bytes(), {.blocks_to_swap = 2}), OutOfMemory);
+  EXPECT_EQ(device->memory().device_bytes, 0u); // nothing leaked
+  EXPECT_NO_THROW(Engine(device, model.bytes(), {.blocks_to_swap = 3}));
+}
+
+TEST(Engine, FailedCopyReachesTheWaiterAndLosesNothing) {
+  const FakeModel model = uniform(8);
+  auto device = slow_device();
+  Engine engine(device, model.bytes(), {.blocks_to_swap = 3, .rotating_slots = 5});
+  model.fill(engine);
+  const auto before = model.snapshot(engine);
+  engine.prepare();
+  engine.wait_for_block(0);
+  device->fail_copy(0);
+  engine.after_forward(0); // loads block 5: the copy fails
+  for (int64_t i = 1; i < 5; ++i) {
+    engine.wait_for_block(i);
+    engine.after_forward(i);
+  }
+  try {
+    engine.wait_for_block(5);
+    FAIL() << "the failed copy did not reach the waiter";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(engine.is_resident(5));
+  engine.synchronize();
+  EXPECT_EQ(model.snapshot(engine), before);
+  // Still usable: the next pass starts from prepare() and computes with the right weights.
+  for (int pass = 0; pass < 2; ++pass) {
+    engine.prepare();
+    forward(engine, model);
+  }
+}
+
+TEST(Engine, DisableKeepsEveryBlockOnTheDevice) {
+  const FakeModel model = uniform(6, 1024);
+  const std::size_t slot = 1024 * sizeof(float);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 4, .supports_backward = true});
+  model.fill(engine);
+  engine.disable();
+  engine.prepare();
+  for (int64_t b = 0; b < 6; ++b) EXPECT_TRUE(engine.is_ready(b));
+  engine.reset_stats();
+  forward(engine, model);
+  backward(engine, model);
+  EXPECT_EQ(engine.stats().moves, 0u);
+  EXPECT_EQ(engine.stats().device_bytes, 6 * slot);
+  engine.enable();
+  engine.prepare();
+  EXPECT_EQ(engine.stats().device_bytes, 2 * slot);
+  EXPECT_EQ(engine.stats().peak_device_bytes, 6 * slot);
+  forward(engine, model);
+  backward(engine, model);
+  EXPECT_EQ(engine.stats().moves, 8u);
+}
+
+TEST(Engine, ForwardOnlyFlipDuringTraining) {
+  const FakeModel model = uniform(8, 512);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 3, .supports_backward = true});
+  model.fill(engine);
+  for (int round = 0; round < 2; ++round) {
+    engine.set_forward_only(false);
+    engine.prepare();
+    forward(engine, model);
+    backward(engine, model);
+    engine.set_forward_only(true); // e.g. sampling in the middle of training
+    engine.prepare();
+    forward(engine, model);
+    forward(engine, model); // a second pass without prepare: the rotation carries on
+  }
+  Engine inference(slow_device(), model.bytes(), {.blocks_to_swap = 3});
+  EXPECT_THROW(inference.set_forward_only(false), Error);
+}
+
+TEST(Engine, MovesWithoutPrepareAreAnError) {
+  const FakeModel model = uniform(8, 512);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 3});
+  model.fill(engine);
+  EXPECT_THROW(engine.after_forward(0), Error); // nothing is on the device yet
+}
+
+TEST(Engine, DebugPrintsMovesAndWaits) {
+  const FakeModel model = uniform(4, 512);
+  std::vector<std::string> lines;
+  Engine engine(slow_device(), model.bytes(),
+                {.label = "double_blocks",
+                 .blocks_to_swap = 1,
+                 .rotating_slots = 3,
+                 .debug = true,
+                 .log = [&](const std::string& l) { lines.push_back(l); }});
+  model.fill(engine);
+  engine.prepare();
+  forward(engine, model);
+  ASSERT_FALSE(lines.empty());
+  EXPECT_EQ(lines[0], "[double_blocks] Move block 0 to host and block 3 to emulated");
+  bool waited = false;
+  for (const auto& line : lines)
+    waited |= line.rfind("[double_blocks] Waited for block 3: ", 0) == 0;
+  EXPECT_TRUE(waited);
+}
+
+TEST(Engine, ListenerSeesReadyAndEvicted) {
+  struct Recorder : ResidencyListener {
+    std::vector<std::string> events;
+    void on_ready(int64_t b, std::byte*) override {
+      events.push_back("ready " + std::to_string(b));
+    }
+    void on_evicted(int64_t b) override { events.push_back("evicted " + std::to_string(b)); }
+  } recorder;
+  const FakeModel model = uniform(3, 256);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 1, .rotating_slots = 2});
+  engine.set_listener(&recorder);
+  engine.prepare();
+  engine.wait_for_block(0);
+  engine.after_forward(0);
+  engine.wait_for_block(2);
+  const std::vector<std::string> expected{"ready 0", "ready 1", "evicted 0", "ready 2"};
+  EXPECT_EQ(recorder.events, expected);
+}
+
+TEST(Engine, EmptyModelIsAnError) {
+  EXPECT_THROW(Engine(slow_device(), {}, {}), Error);
+}
+
+} // namespace
+} // namespace blockswap
