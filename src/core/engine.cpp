@@ -10,6 +10,8 @@ namespace blockswap {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+// Slots are rounded up as the planner assumes (planner.hpp), and as cudaMalloc aligns.
+constexpr std::size_t kSlotAlignment = 256;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -45,6 +47,7 @@ Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_
     block.loaded = backend_->make_event();
     slot_bytes_ = std::max(slot_bytes_, block.bytes);
   }
+  slot_bytes_ = (slot_bytes_ + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
 }

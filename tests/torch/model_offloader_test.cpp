@@ -1,0 +1,449 @@
+// ModelOffloader on the emulated device, compared bitwise with the same model run without it.
+#include "blockswap/torch.hpp"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "blockswap/error.hpp"
+
+namespace blockswap {
+namespace {
+
+using torch::autograd::variable_list;
+
+constexpr int64_t kDim = 32;
+constexpr int64_t kRank = 4;
+
+// A small transformer-like block with a context input, a buffer, frozen weights and a LoRA
+// adapter on fc1.
+struct TestBlockImpl : torch::nn::Module {
+  torch::nn::LayerNorm norm{torch::nn::LayerNormOptions({kDim})};
+  torch::nn::Linear fc1{kDim, 2 * kDim}, fc2{2 * kDim, kDim}, context_proj{kDim, kDim};
+  torch::Tensor scale, lora_a, lora_b;
+
+  TestBlockImpl() {
+    register_module("norm", norm);
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+    register_module("context_proj", context_proj);
+    scale = register_buffer("scale", torch::rand({kDim}) + 0.5);
+    for (auto& p : parameters()) p.set_requires_grad(false);
+    lora_a = register_parameter("lora_a", torch::randn({kRank, kDim}) * 0.1);
+    lora_b = register_parameter("lora_b", torch::randn({2 * kDim, kRank}) * 0.1);
+  }
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& context) {
+    auto y = norm(x) * scale + context_proj(context);
+    auto z = fc1(y) + torch::matmul(torch::matmul(y, lora_a.t()), lora_b.t());
+    return x + fc2(torch::gelu(z));
+  }
+};
+TORCH_MODULE(TestBlock);
+
+struct Model {
+  std::vector<TestBlock> blocks;
+  explicit Model(int64_t n) {
+    torch::manual_seed(7);
+    for (int64_t i = 0; i < n; ++i) blocks.emplace_back();
+  }
+  std::vector<std::shared_ptr<torch::nn::Module>> modules() const {
+    std::vector<std::shared_ptr<torch::nn::Module>> out;
+    for (const auto& b : blocks) out.push_back(b.ptr());
+    return out;
+  }
+  std::vector<torch::Tensor> lora() const {
+    std::vector<torch::Tensor> out;
+    for (const auto& b : blocks) {
+      out.push_back(b->lora_a);
+      out.push_back(b->lora_b);
+    }
+    return out;
+  }
+  BlockFn fn(int64_t i) const {
+    TestBlock block = blocks[i];
+    return [block](const variable_list& in) mutable {
+      return variable_list{block->forward(in[0], in[1])};
+    };
+  }
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& context) {
+    for (auto& b : blocks) x = b->forward(x, context);
+    return x;
+  }
+};
+
+struct Inputs {
+  torch::Tensor x, context;
+  Inputs() {
+    torch::manual_seed(11);
+    x = torch::randn({2, 5, kDim});
+    context = torch::randn({2, 5, kDim});
+  }
+};
+
+torch::Tensor forward_run_block(ModelOffloader& offloader, Model& model, torch::Tensor x,
+                                const torch::Tensor& context) {
+  for (int64_t i = 0; i < int64_t(model.blocks.size()); ++i) {
+    x = offloader.run_block(i, {x, context}, model.fn(i))[0];
+  }
+  return x;
+}
+
+torch::Tensor forward_manual(ModelOffloader& offloader, Model& model, torch::Tensor x,
+                             const torch::Tensor& context) {
+  for (int64_t i = 0; i < int64_t(model.blocks.size()); ++i) {
+    offloader.wait_for_block(i);
+    x = model.blocks[i]->forward(x, context);
+    offloader.submit_move_blocks_forward(i);
+  }
+  return x;
+}
+
+void expect_bitwise(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+  ASSERT_TRUE(a.defined() && b.defined()) << what;
+  EXPECT_TRUE(torch::equal(a, b)) << what << ": max diff " << (a - b).abs().max().item<double>();
+}
+
+Options options(int64_t k, bool training) {
+  Options o;
+  o.blocks_to_swap = k;
+  o.supports_backward = training;
+  return o;
+}
+
+TEST(ModelOffloader, InferenceEqualsUnswappedBitwise) {
+  torch::NoGradGuard no_grad;
+  const Inputs in;
+  Model reference(8);
+  const torch::Tensor expected = reference.forward(in.x, in.context);
+  for (int64_t k : {1, 3, 7}) {
+    for (bool manual : {false, true}) {
+      Model model(8);
+      ModelOffloader offloader("blocks", model.modules(), options(k, false));
+      for (int pass = 0; pass < 3; ++pass) {
+        offloader.prepare_block_devices_before_forward();
+        const torch::Tensor out = manual ? forward_manual(offloader, model, in.x, in.context)
+                                         : forward_run_block(offloader, model, in.x, in.context);
+        expect_bitwise(out, expected, "K=" + std::to_string(k) + " pass " + std::to_string(pass));
+      }
+    }
+  }
+}
+
+// LoRA-style training: frozen base weights swapped, adapters trained with SGD.
+struct TrainingRun {
+  Model model;
+  std::vector<torch::Tensor> losses, x_grads;
+  std::vector<std::vector<torch::Tensor>> lora_grads;
+
+  explicit TrainingRun(int64_t n) : model(n) {}
+
+  template <typename Forward> void run(int steps, Forward&& forward) {
+    const Inputs in;
+    for (int step = 0; step < steps; ++step) {
+      torch::Tensor x = in.x.clone().requires_grad_(true);
+      const torch::Tensor loss = forward(x, in.context).pow(2).mean();
+      loss.backward();
+      losses.push_back(loss.detach());
+      x_grads.push_back(x.grad());
+      std::vector<torch::Tensor> grads;
+      torch::NoGradGuard no_grad;
+      for (auto& p : model.lora()) {
+        grads.push_back(p.grad().clone());
+        p.sub_(p.grad() * 0.5);
+        p.mutable_grad().zero_();
+      }
+      lora_grads.push_back(grads);
+    }
+  }
+};
+
+void expect_same_training(const TrainingRun& a, const TrainingRun& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (std::size_t s = 0; s < a.losses.size(); ++s) {
+    const std::string at = what + " step " + std::to_string(s);
+    expect_bitwise(a.losses[s], b.losses[s], at + " loss");
+    expect_bitwise(a.x_grads[s], b.x_grads[s], at + " input grad");
+    for (std::size_t p = 0; p < a.lora_grads[s].size(); ++p) {
+      expect_bitwise(a.lora_grads[s][p], b.lora_grads[s][p],
+                     at + " lora grad " + std::to_string(p));
+    }
+  }
+}
+
+TEST(ModelOffloader, LoraTrainingEqualsUnswappedBitwise) {
+  TrainingRun reference(8);
+  reference.run(
+      3, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
+  for (int64_t k : {1, 3, 6}) {
+    TrainingRun swapped(8);
+    ModelOffloader offloader("blocks", swapped.model.modules(), options(k, true));
+    swapped.run(3, [&](torch::Tensor x, const torch::Tensor& c) {
+      offloader.prepare_block_devices_before_forward();
+      return forward_run_block(offloader, swapped.model, x, c);
+    });
+    expect_same_training(reference, swapped, "K=" + std::to_string(k));
+    // After a whole step, the blocks are where the seed puts them before a forward.
+    for (int64_t b = 0; b < 8; ++b) EXPECT_EQ(offloader.is_resident(b), b < 8 - k) << b;
+  }
+}
+
+TEST(ModelOffloader, LoraTrainingOfTheFirstBlockOnlyHasNoInputGradient) {
+  // No input requires grad: the first block's backward must still run (its adapter trains).
+  const Inputs in;
+  Model reference(4), model(4);
+  ModelOffloader offloader("blocks", model.modules(), options(2, true));
+  reference.forward(in.x, in.context).pow(2).mean().backward();
+  offloader.prepare_block_devices_before_forward();
+  forward_run_block(offloader, model, in.x, in.context).pow(2).mean().backward();
+  for (std::size_t p = 0; p < model.lora().size(); ++p) {
+    expect_bitwise(model.lora()[p].grad(), reference.lora()[p].grad(), "lora " + std::to_string(p));
+  }
+}
+
+// The caller's own reentrant checkpointing: forward without a graph, recompute in backward.
+struct Checkpoint : torch::autograd::Function<Checkpoint> {
+  static variable_list forward(torch::autograd::AutogradContext* ctx, torch::Tensor x,
+                               torch::Tensor context, ModelOffloader* offloader, int64_t block,
+                               Model* model) {
+    ctx->save_for_backward({x, context});
+    ctx->saved_data["block"] = block;
+    ctx->saved_data["offloader"] = reinterpret_cast<int64_t>(offloader);
+    ctx->saved_data["model"] = reinterpret_cast<int64_t>(model);
+    return offloader->run_block(block, {x, context}, model->fn(block));
+  }
+  static variable_list backward(torch::autograd::AutogradContext* ctx, variable_list grads) {
+    auto* offloader = reinterpret_cast<ModelOffloader*>(ctx->saved_data["offloader"].toInt());
+    auto* model = reinterpret_cast<Model*>(ctx->saved_data["model"].toInt());
+    const int64_t block = ctx->saved_data["block"].toInt();
+    auto saved = ctx->get_saved_variables();
+    torch::Tensor x = saved[0].detach().requires_grad_(true);
+    torch::Tensor out;
+    {
+      torch::AutoGradMode grad(true); // the recompute pass: the verbs must do nothing
+      offloader->wait_for_block(block);
+      out = offloader->run_block(block, {x, saved[1]}, model->fn(block))[0];
+      offloader->submit_move_blocks_forward(block);
+    }
+    torch::autograd::backward({out}, {grads[0]});
+    return {x.grad(), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+TEST(ModelOffloader, ReentrantCheckpointingGivesEqualGradients) {
+  TrainingRun reference(8);
+  reference.run(
+      2, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
+  TrainingRun swapped(8);
+  Options o = options(3, true);
+  o.reentrant_activation_checkpointing = true;
+  ModelOffloader offloader("blocks", swapped.model.modules(), o);
+  swapped.run(2, [&](torch::Tensor x, const torch::Tensor& c) {
+    offloader.prepare_block_devices_before_forward();
+    for (int64_t i = 0; i < 8; ++i) {
+      x = Checkpoint::apply(x, c, &offloader, i, &swapped.model)[0];
+    }
+    return x;
+  });
+  expect_same_training(reference, swapped, "reentrant K=3");
+}
+
+// The seed's rules (DESIGN.md section 1), independently: which blocks are on the device.
+std::vector<bool> seed_after_forward(std::vector<bool> on, int64_t n, int64_t k, int64_t i,
+                                     bool forward_only) {
+  if (k == 0 || (!forward_only && i >= k)) return on;
+  on[i] = false;
+  on[(n - k + i) % n] = true;
+  return on;
+}
+
+TEST(ModelOffloader, ResidencyFollowsTheSeedAfterEveryVerb) {
+  torch::NoGradGuard no_grad;
+  const Inputs in;
+  const int64_t n = 8, k = 3;
+  for (bool forward_only : {true, false}) {
+    Model model(n);
+    Options o = options(k, !forward_only);
+    o.rotating_slots = n - k; // the seed's cyclic scheme for forward-only
+    ModelOffloader offloader("blocks", model.modules(), o);
+    for (int64_t b = 0; b < n; ++b) EXPECT_FALSE(offloader.is_resident(b));
+    std::vector<bool> seed(n);
+    for (int64_t b = 0; b < n; ++b) seed[b] = b < n - k;
+    for (int pass = 0; pass < 2; ++pass) {
+      if (!forward_only) {
+        for (int64_t b = 0; b < n; ++b) seed[b] = b < n - k;
+      }
+      offloader.prepare_block_devices_before_forward();
+      for (int64_t b = 0; b < n; ++b) ASSERT_EQ(offloader.is_resident(b), bool(seed[b])) << b;
+      torch::Tensor x = in.x;
+      for (int64_t i = 0; i < n; ++i) {
+        offloader.wait_for_block(i);
+        x = model.blocks[i]->forward(x, in.context);
+        offloader.submit_move_blocks_forward(i);
+        seed = seed_after_forward(seed, n, k, i, forward_only);
+        for (int64_t b = 0; b < n; ++b) {
+          ASSERT_EQ(offloader.is_resident(b), bool(seed[b])) << "after block " << i << ": " << b;
+        }
+      }
+    }
+  }
+}
+
+TEST(ModelOffloader, TrainingStepStats) {
+  const Inputs in;
+  Model model(8);
+  ModelOffloader offloader("blocks", model.modules(), options(3, true));
+  offloader.prepare_block_devices_before_forward();
+  offloader.reset_stats();
+  forward_run_block(offloader, model, in.x, in.context).pow(2).mean().backward();
+  const Stats stats = offloader.stats();
+  // One block's packed bytes: every frozen tensor and buffer at a 256-byte aligned offset.
+  std::size_t block_bytes = 0;
+  TestBlock fresh;
+  for (const auto& t : fresh->parameters()) {
+    if (!t.requires_grad()) block_bytes = (block_bytes + 255) / 256 * 256 + t.nbytes();
+  }
+  for (const auto& t : fresh->buffers()) block_bytes = (block_bytes + 255) / 256 * 256 + t.nbytes();
+  EXPECT_EQ(stats.h2d_bytes, 6 * block_bytes);
+  EXPECT_EQ(stats.d2h_bytes, 0u);
+  EXPECT_EQ(stats.moves, 6u);
+  EXPECT_LE(stats.peak_device_bytes, 5 * ((block_bytes + 255) / 256 * 256));
+  EXPECT_GE(stats.peak_device_bytes, 5 * block_bytes);
+}
+
+void expect_error(const std::function<void()>& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << part << "'";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+TEST(ModelOffloader, PlannerChoosesKFromTheBudget) {
+  Model model(8);
+  Options o = options(-1, true);
+  {
+    ModelOffloader probe("blocks", model.modules(), options(0, true));
+    o.device_budget_bytes = probe.stats().device_bytes / 8 * 5; // room for 5 slots
+  }
+  {
+    ModelOffloader offloader("blocks", model.modules(), o);
+    EXPECT_EQ(offloader.blocks_to_swap(), 3);
+    expect_error([&] { ModelOffloader("blocks", model.modules(), o); },
+                 "already managed by another ModelOffloader");
+  }
+  o.device_budget_bytes = 1000;
+  expect_error([&] { ModelOffloader("blocks", model.modules(), o); },
+               "the smallest budget that works is");
+}
+
+TEST(ModelOffloader, MisuseRaisesClearErrors) {
+  torch::NoGradGuard no_grad;
+  const Inputs in;
+  Model model(8);
+  expect_error([&] { ModelOffloader("blocks", model.modules(), options(7, true)); },
+               "K=7 is out of range for N=8 blocks in training mode");
+  expect_error([&] { ModelOffloader("blocks", model.modules(), options(8, false)); },
+               "K=8 is out of range");
+  expect_error(
+      [&] {
+        ModelOffloader("blocks", std::vector<std::shared_ptr<torch::nn::Module>>{},
+                       options(0, false));
+      },
+      "at least one block");
+  expect_error(
+      [&] {
+        ModelOffloader("blocks", {model.blocks[0].ptr(), model.blocks[0].ptr()}, options(0, false));
+      },
+      "is shared with block 0");
+  Options o = options(3, false);
+  o.rotating_slots = 5;
+  ModelOffloader offloader("blocks", model.modules(), o);
+  offloader.prepare_block_devices_before_forward();
+  expect_error(
+      [&] {
+        offloader.run_block(8, {in.x, in.context}, model.fn(0));
+      },
+      "block index 8 is out of range");
+  expect_error(
+      [&] {
+        offloader.run_block(5, {in.x, in.context}, model.fn(5));
+      },
+      "block 5 is not on the device");
+  // A non-resident block's weights point at no memory: using them fails, never computes.
+  EXPECT_ANY_THROW(model.blocks[5]->forward(in.x, in.context));
+  expect_error([&] { offloader.set_forward_only(false); }, "supports_backward");
+}
+
+TEST(ModelOffloader, ExceptionInABlockLeavesItUsable) {
+  torch::NoGradGuard no_grad;
+  const Inputs in;
+  Model reference(8);
+  const torch::Tensor expected = reference.forward(in.x, in.context);
+  Model model(8);
+  ModelOffloader offloader("blocks", model.modules(), options(3, false));
+  offloader.prepare_block_devices_before_forward();
+  torch::Tensor x = in.x;
+  for (int64_t i = 0; i < 4; ++i) x = offloader.run_block(i, {x, in.context}, model.fn(i))[0];
+  expect_error(
+      [&] {
+        offloader.run_block(4, {x, in.context}, [](const variable_list&) -> variable_list {
+          throw std::runtime_error("boom");
+        });
+      },
+      "boom");
+  for (int pass = 0; pass < 2; ++pass) {
+    offloader.prepare_block_devices_before_forward();
+    expect_bitwise(forward_run_block(offloader, model, in.x, in.context), expected, "after error");
+  }
+}
+
+TEST(ModelOffloader, DestructorLeavesOrdinaryHostTensorsWithTheOriginalValues) {
+  Model reference(8);
+  Model model(8);
+  {
+    ModelOffloader offloader("blocks", model.modules(), options(3, true));
+    offloader.prepare_block_devices_before_forward();
+    const Inputs in;
+    forward_run_block(offloader, model, in.x, in.context).pow(2).mean().backward();
+    offloader.prepare_block_devices_before_forward();
+    offloader.run_block(0, {in.x, in.context}, model.fn(0)); // a move in flight at the end
+  }
+  for (std::size_t b = 0; b < 8; ++b) {
+    const auto got = model.blocks[b]->named_parameters();
+    const auto want = reference.blocks[b]->named_parameters();
+    for (const auto& item : want) {
+      if (item.value().requires_grad()) continue;
+      const torch::Tensor& t = got[item.key()];
+      EXPECT_TRUE(t.device().is_cpu());
+      expect_bitwise(t, item.value(), "block " + std::to_string(b) + " " + item.key());
+    }
+    expect_bitwise(model.blocks[b]->scale, reference.blocks[b]->scale, "buffer");
+  }
+  const Inputs in;
+  torch::NoGradGuard no_grad;
+  expect_bitwise(model.blocks[3]->forward(in.x, in.context),
+                 reference.blocks[3]->forward(in.x, in.context), "restored block computes");
+}
+
+TEST(ModelOffloader, DisableSwapRunsEverythingResident) {
+  torch::NoGradGuard no_grad;
+  const Inputs in;
+  Model reference(6);
+  Model model(6);
+  ModelOffloader offloader("blocks", model.modules(), options(4, true));
+  offloader.disable_block_swap();
+  offloader.prepare_block_devices_before_forward();
+  for (int64_t b = 0; b < 6; ++b) EXPECT_TRUE(offloader.is_resident(b));
+  offloader.reset_stats();
+  expect_bitwise(forward_run_block(offloader, model, in.x, in.context),
+                 reference.forward(in.x, in.context), "disabled");
+  EXPECT_EQ(offloader.stats().moves, 0u);
+  offloader.enable_block_swap();
+  offloader.prepare_block_devices_before_forward();
+  EXPECT_EQ(offloader.is_resident(5), false);
+  expect_bitwise(forward_run_block(offloader, model, in.x, in.context),
+                 reference.forward(in.x, in.context), "enabled again");
+}
+
+} // namespace
+} // namespace blockswap
