@@ -6,7 +6,9 @@
 // the test double; the CUDA backend runs on a GPU.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -66,6 +68,15 @@ public:
   virtual ~Event() = default;
 };
 
+// A finished copy, for traces.
+struct CopyRecord {
+  bool to_device = true;
+  std::size_t bytes = 0;
+  int64_t tag = -1; // what the caller said the copy was for (the engine: the block index)
+  std::chrono::steady_clock::time_point start, end;
+};
+using CopyObserver = std::function<void(const CopyRecord&)>;
+
 struct MemoryStats {
   std::size_t device_bytes = 0;      // device memory allocated through this backend now
   std::size_t peak_device_bytes = 0; // the most it has been
@@ -83,10 +94,16 @@ public:
   virtual Buffer allocate_host(std::size_t bytes) = 0;
   // Device memory. Synchronous. Throws OutOfMemory naming the sizes when it does not fit.
   virtual Buffer allocate_device(std::size_t bytes) = 0;
-  // Enqueues a host-to-device copy on the copy stream; returns at once.
-  virtual void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) = 0;
+  // Enqueues a host-to-device copy on the copy stream; returns at once. `tag` is reported to
+  // the copy observer.
+  virtual void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                              int64_t tag) = 0;
   // Enqueues a device-to-host copy on the copy stream; returns at once.
-  virtual void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) = 0;
+  virtual void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                            int64_t tag) = 0;
+  // Calls `observer` after each copy completes, on whichever thread sees it complete. A backend
+  // that cannot time its copies never calls it.
+  virtual void set_copy_observer(CopyObserver observer) = 0;
   // Enqueues filling released device memory with NaN on the copy stream, so that a read of a
   // released slot shows; returns at once. A backend may do nothing.
   virtual void poison(std::byte* device, std::size_t bytes) = 0;

@@ -34,8 +34,11 @@ public:
   std::string name() const override;
   Buffer allocate_host(std::size_t bytes) override;
   Buffer allocate_device(std::size_t bytes) override;
-  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) override;
-  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) override;
+  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                      int64_t tag) override;
+  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                    int64_t tag) override;
+  void set_copy_observer(CopyObserver observer) override;
   void poison(std::byte* device, std::size_t bytes) override;
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;

@@ -33,6 +33,7 @@
 
 #include "blockswap/backend.hpp"
 #include "blockswap/schedule.hpp"
+#include "blockswap/trace.hpp"
 
 namespace blockswap {
 
@@ -44,6 +45,7 @@ struct EngineOptions {
   Algorithm algorithm = Algorithm::blockswap;
   bool debug = false; // print each move and wait with its duration, as the seed does
   std::function<void(const std::string&)> log = {}; // debug lines go here; stderr when empty
+  std::shared_ptr<Trace> trace = {}; // when set: every copy, and every wait that stalls
 };
 
 struct EngineStats {

@@ -50,12 +50,19 @@ Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_
   slot_bytes_ = (slot_bytes_ + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
+  if (options_.trace) {
+    backend_->set_copy_observer([trace = options_.trace](const CopyRecord& copy) {
+      trace->add(detail::concat(copy.to_device ? "load block " : "write back block ", copy.tag),
+                 Track::copy, copy.start, copy.end);
+    });
+  }
 }
 
 Engine::~Engine() {
   try {
     std::lock_guard lock(mutex_);
     synchronize_locked();
+    if (options_.trace) backend_->set_copy_observer(nullptr);
   } catch (const std::exception& e) {
     log(detail::concat("[", options_.label, "] a copy failed while shutting down: ", e.what()));
   }
@@ -163,6 +170,9 @@ void Engine::wait_for_block(int64_t block) {
   }
   const double stalled = seconds_since(start);
   stats_.stall_seconds += stalled;
+  if (options_.trace && stalled > 0) {
+    options_.trace->add(detail::concat("wait block ", block), Track::compute, start, Clock::now());
+  }
   mark_ready(block);
   if (options_.debug && state.replaced >= 0) {
     log(detail::concat("[", options_.label, "] Moved blocks ", state.replaced, " and ", block,
@@ -224,7 +234,7 @@ void Engine::evict(int64_t block, bool refilled) {
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty || current().writes_back()) {
-    backend_->copy_to_host(state.host->data(), slot.memory.data(), state.bytes);
+    backend_->copy_to_host(state.host->data(), slot.memory.data(), state.bytes, block);
     stats_.d2h_bytes += state.bytes;
     state.dirty = false;
   }
@@ -240,7 +250,7 @@ void Engine::load(int64_t block, int64_t slot) {
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   backend_->poison(s.memory.data() + state.bytes, slot_bytes_ - state.bytes);
-  backend_->copy_to_device(s.memory.data(), state.host->data(), state.bytes);
+  backend_->copy_to_device(s.memory.data(), state.host->data(), state.bytes, block);
   backend_->record(*state.loaded, Stream::copy);
   stats_.h2d_bytes += state.bytes;
   s.block = block;

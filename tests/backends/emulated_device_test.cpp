@@ -46,8 +46,8 @@ TEST(EmulatedDevice, CopiesRunInOrderAndEventsWaitForThem) {
   Buffer dev = device.allocate_device(bytes);
   std::memcpy(host.data(), values.data(), bytes);
   auto done = device.make_event();
-  device.copy_to_device(dev.data(), host.data(), bytes);
-  device.copy_to_host(back.data(), dev.data(), bytes); // after the first, on the same stream
+  device.copy_to_device(dev.data(), host.data(), bytes, 0);
+  device.copy_to_host(back.data(), dev.data(), bytes, 0); // after the first, on the same stream
   device.record(*done, Stream::copy);
   device.synchronize(*done);
   EXPECT_EQ(std::memcmp(back.data(), values.data(), bytes), 0);
@@ -60,7 +60,7 @@ TEST(EmulatedDevice, LinkBandwidthIsEnforced) {
   Buffer dev = device.allocate_device(bytes);
   auto done = device.make_event();
   const auto start = std::chrono::steady_clock::now();
-  device.copy_to_device(dev.data(), host.data(), bytes);
+  device.copy_to_device(dev.data(), host.data(), bytes, 0);
   device.record(*done, Stream::copy);
   device.synchronize(*done);
   const double seconds =
@@ -79,10 +79,10 @@ TEST(EmulatedDevice, CopyStreamWaitsForItsEvent) {
   std::memset(host.data(), 0x11, bytes);
   auto loaded = device.make_event();
   auto done = device.make_event();
-  device.copy_to_device(dev.data(), host.data(), bytes);
+  device.copy_to_device(dev.data(), host.data(), bytes, 0);
   device.record(*loaded, Stream::copy);
   device.wait(Stream::copy, *loaded);
-  device.copy_to_host(back.data(), dev.data(), bytes);
+  device.copy_to_host(back.data(), dev.data(), bytes, 0);
   device.record(*done, Stream::copy);
   device.wait(Stream::compute, *done); // the host is the compute stream: it blocks
   EXPECT_EQ(std::to_integer<int>(back.data()[bytes - 1]), 0x11);
@@ -109,13 +109,13 @@ TEST(EmulatedDevice, FailedCopyReachesTheWaiterAndTouchesNothing) {
   std::memset(dev.data(), 0x00, bytes);
   auto loaded = device.make_event();
   device.fail_copy(0);
-  device.copy_to_device(dev.data(), host.data(), bytes);
+  device.copy_to_device(dev.data(), host.data(), bytes, 0);
   device.record(*loaded, Stream::copy);
   EXPECT_THROW(device.wait(Stream::compute, *loaded), Error);
   EXPECT_EQ(std::to_integer<int>(dev.data()[0]), 0x00);
   EXPECT_EQ(std::to_integer<int>(host.data()[0]), 0x5A);
   // The stream carries on: the next copy and its event succeed.
-  device.copy_to_device(dev.data(), host.data(), bytes);
+  device.copy_to_device(dev.data(), host.data(), bytes, 0);
   device.record(*loaded, Stream::copy);
   EXPECT_NO_THROW(device.synchronize(*loaded));
   EXPECT_EQ(std::memcmp(dev.data(), host.data(), bytes), 0);

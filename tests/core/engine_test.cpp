@@ -335,3 +335,23 @@ TEST(Engine, EmptyModelIsAnError) {
 
 } // namespace
 } // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+TEST(Engine, TraceRecordsEveryCopy) {
+  const FakeModel model = uniform(6, 1024);
+  auto trace = std::make_shared<Trace>();
+  Engine engine(slow_device(), model.bytes(),
+                {.blocks_to_swap = 2, .rotating_slots = 1, .trace = trace});
+  model.fill(engine);
+  engine.prepare();       // 4 loads
+  forward(engine, model); // 3 moves
+  engine.synchronize();
+  const std::string json = trace->to_chrome_json();
+  EXPECT_GE(trace->size(), 7u);
+  EXPECT_NE(json.find("load block 5"), std::string::npos);
+}
+
+} // namespace
+} // namespace blockswap

@@ -41,6 +41,8 @@ struct Task {
   std::size_t bytes = 0;
   std::shared_ptr<Mark> mark;
   bool fail = false;
+  bool to_device = true;
+  int64_t tag = -1;
 };
 
 void poison_bytes(std::byte* data, std::size_t bytes) {
@@ -60,6 +62,7 @@ struct EmulatedDevice::State {
   std::exception_ptr pending_error; // a failed copy, waiting for the next record
   std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
   double copy_seconds = 0;
+  CopyObserver observer;
 
   std::size_t device_bytes = 0;
   std::size_t peak_device_bytes = 0;
@@ -197,12 +200,19 @@ Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
   });
 }
 
-void EmulatedDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes) {
-  state_->enqueue(Task{Task::Kind::copy, device, host, bytes, nullptr, false});
+void EmulatedDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                                    int64_t tag) {
+  state_->enqueue(Task{Task::Kind::copy, device, host, bytes, nullptr, false, true, tag});
 }
 
-void EmulatedDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes) {
-  state_->enqueue(Task{Task::Kind::copy, host, device, bytes, nullptr, false});
+void EmulatedDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                                  int64_t tag) {
+  state_->enqueue(Task{Task::Kind::copy, host, device, bytes, nullptr, false, false, tag});
+}
+
+void EmulatedDevice::set_copy_observer(CopyObserver observer) {
+  std::lock_guard lock(state_->mutex);
+  state_->observer = std::move(observer);
 }
 
 void EmulatedDevice::poison(std::byte* device, std::size_t bytes) {
