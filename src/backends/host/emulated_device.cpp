@@ -108,9 +108,15 @@ struct EmulatedDevice::State {
         lock.unlock();
         const auto start = Clock::now();
         copy_paced(task, start);
-        const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+        const auto end = Clock::now();
         lock.lock();
-        copy_seconds += seconds;
+        copy_seconds += std::chrono::duration<double>(end - start).count();
+        if (observer) {
+          const CopyObserver notify = observer;
+          lock.unlock();
+          notify(CopyRecord{task.to_device, task.bytes, task.tag, start, end});
+          lock.lock();
+        }
         break;
       }
     }
