@@ -38,6 +38,8 @@
 #include <string>
 #include <vector>
 
+#include "blockswap/trace.hpp"
+
 namespace blockswap {
 
 struct Options {
@@ -53,6 +55,8 @@ struct Options {
   int64_t rotating_slots = 0;
   // Emulated device only: its memory in bytes (over it is an out-of-memory error); 0 = no limit.
   std::size_t emulated_capacity_bytes = 0;
+  // When set, records every block's compute (run_block) and every copy, for a Chrome trace.
+  std::shared_ptr<Trace> trace = nullptr;
 };
 
 struct Stats {

@@ -60,6 +60,7 @@ public:
     engine_options.supports_backward = options_.supports_backward;
     engine_options.rotating_slots = options_.rotating_slots;
     engine_options.debug = options_.debug;
+    engine_options.trace = options_.trace;
     engine_ = std::make_unique<Engine>(make_backend(options_), std::move(bytes), engine_options);
     if (options_.supports_backward) plan_backward(engine_->schedule());
     binder_.pack(*engine_);
@@ -104,6 +105,7 @@ public:
     }
     engine_->wait_for_block(block);
     check_ready(block);
+    const auto start = Trace::Clock::now();
     torch::autograd::variable_list outputs;
     if (autograd && recompute_[block]) {
       outputs = torch_frontend::run_with_recompute(self, block, inputs, fn);
@@ -112,6 +114,10 @@ public:
       outputs = torch_frontend::run_with_backward_hook(self, block, inputs, fn);
     } else {
       outputs = fn(inputs);
+    }
+    if (options_.trace) {
+      last_mark_ = Trace::Clock::now();
+      options_.trace->add(detail::concat("forward ", block), Track::compute, start, last_mark_);
     }
     engine_->after_forward(block);
     return outputs;
@@ -122,6 +128,13 @@ public:
   // The seed's backward hook: after block b's backward, its moves; then block b-1 must be on
   // the device before its own backward starts.
   void block_backward_done(int64_t block) override {
+    if (options_.trace) {
+      // Backward runs inside autograd: the span ends at this hook and starts at the last mark.
+      const auto now = Trace::Clock::now();
+      options_.trace->add(detail::concat("backward to block ", block), Track::compute, last_mark_,
+                          now);
+      last_mark_ = now;
+    }
     engine_->after_backward(block);
     const int64_t previous = block - 1;
     if (previous < 0 || !engine_->is_resident(previous)) return;
@@ -181,6 +194,7 @@ private:
   std::vector<bool> evicted_;   // leaves the device between its forward and its backward
   std::vector<bool> hooks_;     // has work after its backward
   std::vector<const std::byte*> forward_data_; // where an evicted block's weights were
+  Trace::Clock::time_point last_mark_;         // the end of the last traced compute
 };
 
 ModelOffloader::ModelOffloader(std::string block_type,

@@ -1,0 +1,37 @@
+// The blockswap tool's commands.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace blockswap::tool {
+
+struct RunArgs {
+  std::string mode = "infer"; // infer | train
+  int64_t blocks = 8;
+  int64_t swap = -1; // -1: half the blocks
+  int64_t hidden = 384;
+  int64_t heads = 6;
+  int64_t tokens = 256;
+  int64_t lora_rank = 8;
+  int steps = 5;
+  std::string device; // empty: the best device present
+  double link_gbps = 25;
+  int threads = 1;
+  std::string weights;      // load the model from this safetensors file
+  std::string save_weights; // write the model's initial weights here
+  std::string trace;
+  bool json = false;
+};
+
+struct PlanArgs {
+  std::string model;
+  std::string budget;
+  std::string mode = "train";
+  bool json = false;
+};
+
+int run_command(const RunArgs& args);
+int plan_command(const PlanArgs& args);
+
+} // namespace blockswap::tool
