@@ -68,6 +68,10 @@ struct Stats {
   uint64_t peak_device_bytes = 0;
 };
 
+// Whether ModelOffloader can use device kCUDA here: blockswap built with its CUDA backend,
+// LibTorch built with CUDA, and a GPU present.
+bool cuda_available();
+
 using BlockFn =
     std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)>;
 

@@ -1,3 +1,4 @@
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <iostream>
@@ -10,6 +11,10 @@
 #include "blockswap/error.hpp"
 #include "blockswap/planner.hpp"
 #include "blockswap/torch.hpp"
+#include "cuda_stream.hpp"
+#if BLOCKSWAP_HAS_CUDA
+#include "blockswap/cuda.hpp"
+#endif
 
 namespace blockswap {
 
@@ -18,17 +23,52 @@ using torch_frontend::BlockLayout;
 
 namespace {
 
-std::shared_ptr<Backend> make_backend(const Options& options) {
-  if (options.device.is_cpu()) {
+// The device the options name, with its index resolved ("cuda" means the current one).
+c10::Device resolve_device(const Options& options) {
+  if (options.device.is_cuda() && !options.device.has_index()) {
+    return c10::Device(c10::kCUDA,
+                       static_cast<c10::DeviceIndex>(torch_frontend::current_cuda_device()));
+  }
+  return options.device;
+}
+
+std::shared_ptr<Backend> make_backend(const Options& options, c10::Device device) {
+  if (device.is_cpu()) {
     EmulatedDeviceOptions emulated;
     emulated.link_gbps = options.emulated_link_gbps;
     if (options.emulated_capacity_bytes > 0)
       emulated.capacity_bytes = options.emulated_capacity_bytes;
     return std::make_shared<EmulatedDevice>(emulated);
   }
-  throw Error(detail::concat("device ", options.device.str(),
-                             " is not supported: this build of blockswap has the emulated device "
-                             "(kCPU) only"));
+#if BLOCKSWAP_HAS_CUDA
+  if (device.is_cuda()) {
+    CudaDeviceOptions cuda;
+    cuda.device = device.index();
+    cuda.compute_stream = [index = cuda.device] {
+      return torch_frontend::current_cuda_stream(index);
+    };
+    return std::make_shared<CudaDevice>(cuda);
+  }
+#endif
+  throw Error(detail::concat("device ", device.str(),
+                             " is not supported by this build of blockswap (",
+#if BLOCKSWAP_HAS_CUDA
+                             "devices: cpu = the emulated device, cuda"
+#else
+                             "built without CUDA; devices: cpu = the emulated device"
+#endif
+                             ")"));
+}
+
+// Adapters being trained stay on the compute device for good: put them there once.
+void move_trainable_to(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                       c10::Device device) {
+  if (device.is_cpu()) return;
+  for (const auto& block : blocks) {
+    for (auto& p : block->parameters()) {
+      if (p.requires_grad() && p.device() != device) p.set_data(p.data().to(device));
+    }
+  }
 }
 
 int64_t choose_blocks_to_swap(const Options& options, const std::vector<BlockLayout>& layouts) {
@@ -48,8 +88,8 @@ class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
        Options options)
-      : options_(options), blocks_(std::move(blocks)),
-        binder_(torch_frontend::layout_blocks(blocks_), options.device) {
+      : options_(options), device_(resolve_device(options)), blocks_(std::move(blocks)),
+        binder_(torch_frontend::layout_blocks(blocks_), device_) {
     BLOCKSWAP_CHECK(!blocks_.empty(), "[", block_type, "] ModelOffloader needs at least one block");
     blocks_to_swap_ = choose_blocks_to_swap(options_, binder_.layouts());
     std::vector<std::size_t> bytes;
@@ -61,7 +101,9 @@ public:
     engine_options.rotating_slots = options_.rotating_slots;
     engine_options.debug = options_.debug;
     engine_options.trace = options_.trace;
-    engine_ = std::make_unique<Engine>(make_backend(options_), std::move(bytes), engine_options);
+    engine_ =
+        std::make_unique<Engine>(make_backend(options_, device_), std::move(bytes), engine_options);
+    move_trainable_to(blocks_, device_);
     if (options_.supports_backward) plan_backward(engine_->schedule());
     binder_.pack(*engine_);
     engine_->set_listener(&binder_);
@@ -186,6 +228,7 @@ private:
   }
 
   Options options_;
+  c10::Device device_;
   std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
@@ -196,6 +239,14 @@ private:
   std::vector<const std::byte*> forward_data_; // where an evicted block's weights were
   Trace::Clock::time_point last_mark_;         // the end of the last traced compute
 };
+
+bool cuda_available() {
+#if BLOCKSWAP_HAS_CUDA
+  return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) && CudaDevice::available();
+#else
+  return false;
+#endif
+}
 
 ModelOffloader::ModelOffloader(std::string block_type,
                                std::vector<std::shared_ptr<torch::nn::Module>> blocks,

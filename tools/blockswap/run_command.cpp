@@ -36,6 +36,10 @@ std::string milliseconds(double seconds) {
 // gradient of each step are results; inference: the output of each pass.
 Phase run_phase(const std::string& label, ReferenceTransformer& model, ModelOffloader* offloader,
                 const torch::Tensor& input, bool train, int steps) {
+  // GPU work is asynchronous: a step ends when the device is done with it.
+  auto finish_step = [&] {
+    if (input.is_cuda()) torch::cuda::synchronize();
+  };
   Phase phase;
   Progress progress;
   std::vector<torch::Tensor> adapters = model.lora_parameters();
@@ -70,6 +74,7 @@ Phase run_phase(const std::string& label, ReferenceTransformer& model, ModelOffl
       torch::NoGradGuard no_grad;
       phase.results.push_back(forward());
     }
+    finish_step();
     if (step > 0) total += std::chrono::duration<double>(Clock::now() - start).count();
   }
   phase.step_seconds = total / steps;
@@ -96,7 +101,8 @@ int run_command(const RunArgs& args) {
   const bool train = args.mode == "train";
   at::set_num_threads(args.threads);
 
-  const std::string device_name = args.device.empty() ? "cpu" : args.device;
+  const std::string device_name =
+      !args.device.empty() ? args.device : (cuda_available() ? "cuda" : "cpu");
   const c10::Device device(device_name);
 
   models::TransformerConfig config{args.blocks, args.hidden, args.heads, train ? args.lora_rank : 0,
@@ -109,7 +115,8 @@ int run_command(const RunArgs& args) {
   ReferenceTransformer swapped_model = make_model();
   config = baseline_model.config();
   if (!args.save_weights.empty()) baseline_model.save(args.save_weights);
-  const torch::Tensor input = baseline_model.example_input(1, args.tokens);
+  const torch::Tensor input = baseline_model.example_input(1, args.tokens).to(device);
+  for (auto& block : baseline_model.blocks()) block->to(device); // the baseline holds it all
 
   Options options;
   options.blocks_to_swap = args.swap < 0 ? config.blocks / 2 : args.swap;

@@ -1,0 +1,60 @@
+// CudaDevice: the backend for NVIDIA GPUs, on the CUDA runtime API (no kernels).
+//
+// Host buffers are pinned (cudaHostAlloc; else cudaHostRegister; else pageable memory, with one
+// loud warning: copies then run at about half speed). Device memory comes from cudaMalloc,
+// once per slot. Copies run on one non-blocking copy stream; compute runs on the stream the
+// `compute_stream` function returns at each call (the LibTorch front end passes the current
+// torch stream). Ordering between them is by events only: the host never waits for compute.
+// Available when blockswap is built with BLOCKSWAP_CUDA (target blockswap::cuda).
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "blockswap/backend.hpp"
+
+struct CUstream_st; // cudaStream_t is CUstream_st*
+
+namespace blockswap {
+
+struct CudaDeviceOptions {
+  int device = 0;
+  // The stream blocks are computed on; nullptr (the default) is the legacy default stream.
+  std::function<CUstream_st*()> compute_stream = nullptr;
+};
+
+class CudaDevice final : public Backend {
+public:
+  // Throws Error naming the CUDA error when the device cannot be used.
+  explicit CudaDevice(CudaDeviceOptions options = {});
+  ~CudaDevice() override; // waits for the copy stream; never throws
+
+  // not copyable, not movable: events and buffers refer to its stream
+  CudaDevice(const CudaDevice&) = delete;
+  CudaDevice& operator=(const CudaDevice&) = delete;
+
+  std::string name() const override;
+  Buffer allocate_host(std::size_t bytes) override;
+  Buffer allocate_device(std::size_t bytes) override;
+  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                      int64_t tag) override;
+  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                    int64_t tag) override;
+  void set_copy_observer(CopyObserver observer) override; // not timed: never called
+  void poison(std::byte* device, std::size_t bytes) override;
+  std::unique_ptr<Event> make_event() override;
+  void record(Event& event, Stream stream) override;
+  void wait(Stream stream, const Event& event) override;
+  void synchronize(const Event& event) override;
+  MemoryStats memory() const override;
+
+  // Whether the CUDA runtime sees at least one device (false without a driver).
+  static bool available();
+
+private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+} // namespace blockswap

@@ -1,0 +1,30 @@
+// BLOCKSWAP_CUDA_CHECK: every CUDA runtime call, checked. Implementer-only (src/backends/cuda).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "blockswap/error.hpp"
+
+namespace blockswap::detail {
+
+[[noreturn]] inline void throw_cuda(cudaError_t error, const char* call, const char* file,
+                                    int line) {
+  int device = -1;
+  cudaGetDevice(&device);
+  const std::string message =
+      concat(call, " failed: ", cudaGetErrorName(error), " (", cudaGetErrorString(error),
+             ") on cuda:", device, " at ", file, ":", line);
+  if (error == cudaErrorMemoryAllocation) throw OutOfMemory(message);
+  throw Error(message);
+}
+
+} // namespace blockswap::detail
+
+// Throws blockswap::Error naming the call, the CUDA error and the device.
+#define BLOCKSWAP_CUDA_CHECK(call)                                                                 \
+  do {                                                                                             \
+    const cudaError_t blockswap_cuda_error = (call);                                               \
+    if (blockswap_cuda_error != cudaSuccess) {                                                     \
+      ::blockswap::detail::throw_cuda(blockswap_cuda_error, #call, __FILE__, __LINE__);            \
+    }                                                                                              \
+  } while (false)
