@@ -38,6 +38,7 @@
 #include <string>
 #include <vector>
 
+#include "blockswap/schedule.hpp"
 #include "blockswap/trace.hpp"
 
 namespace blockswap {
@@ -57,6 +58,9 @@ struct Options {
   std::size_t emulated_capacity_bytes = 0;
   // When set, records every block's compute (run_block) and every copy, for a Chrome trace.
   std::shared_ptr<Trace> trace = nullptr;
+  // Algorithm::seed replays the seed's own moves (copy back on every eviction, every block
+  // every inference pass, host-blocking waits): the baseline the benchmarks measure against.
+  Algorithm algorithm = Algorithm::blockswap;
 };
 
 struct Stats {

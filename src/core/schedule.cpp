@@ -94,17 +94,22 @@ void Schedule::build_forward_only() {
 }
 
 // The seed's training moves (DESIGN.md section 1). Blocks 0..N-K-1 start in slots 0..N-K-1.
-// Forward: after block i < K, block N-K+i takes slot i. Backward: after block b, with
-// p = N-b-1 blocks propagated, 1 <= p <= K, block K-p returns to its own slot K-p, evicting
-// block b+1 = N-p (which had borrowed that slot in forward).
+// Forward: after block i < K, block N-K+i takes slot i. Backward: with p = 1..K, block
+// N-p (which borrowed slot K-p in forward) hands the slot back to block K-p.
+//
+// The seed makes that move after the backward of block N-p-1, the hook it has; but block N-p
+// was done one block earlier, after its own backward. blockswap moves then, which gives each
+// backward load the compute of one more block to hide behind (N-K-1 blocks instead of
+// N-K-2: with two slots, the seed's backward loads cannot overlap at all). The seed replay
+// keeps the seed's timing.
 void Schedule::build_training() {
   const int64_t n = blocks_;
   const int64_t k = blocks_to_swap_;
   for (int64_t b = 0; b < n - k; ++b) initial_slots_[b] = b;
   for (int64_t i = 0; i < k; ++i) forward_moves_[i].push_back(Move{i, n - k + i});
+  const int64_t delay = algorithm_ == Algorithm::seed ? 1 : 0;
   for (int64_t p = 1; p <= k; ++p) {
-    const int64_t b = n - p - 1;
-    backward_moves_[b].push_back(Move{b + 1, k - p});
+    backward_moves_[n - p - delay].push_back(Move{n - p, k - p});
   }
   loads_per_pass_ = 2 * k;
 }

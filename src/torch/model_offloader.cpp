@@ -101,6 +101,7 @@ public:
     engine_options.rotating_slots = options_.rotating_slots;
     engine_options.debug = options_.debug;
     engine_options.trace = options_.trace;
+    engine_options.algorithm = options_.algorithm;
     engine_ =
         std::make_unique<Engine>(make_backend(options_, device_), std::move(bytes), engine_options);
     move_trainable_to(blocks_, device_);

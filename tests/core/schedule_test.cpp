@@ -46,7 +46,7 @@ struct Replay {
       // A move evicts a block whose compute in this phase is over: in forward the block just
       // computed, in backward one already differentiated (its readers have all been enqueued).
       if (in_backward) {
-        ASSERT_GT(op.move.out, op.block) << schedule.describe();
+        ASSERT_GE(op.move.out, op.block) << schedule.describe();
       } else {
         ASSERT_EQ(op.move.out, op.block) << schedule.describe();
       }
@@ -160,15 +160,42 @@ TEST(Schedule, FullRotationIsTheSeedsCyclicScheme) {
 
 TEST(Schedule, TrainingMovesAreTheSeeds) {
   const int64_t n = 8, k = 3;
-  Schedule s({n, k, Mode::training});
-  EXPECT_FALSE(s.writes_back());
-  EXPECT_EQ(s.after_forward(0)[0], (Move{0, 5}));
-  EXPECT_EQ(s.after_forward(2)[0], (Move{2, 7}));
-  EXPECT_TRUE(s.after_forward(3).empty());
-  EXPECT_TRUE(s.after_backward(7).empty());
-  EXPECT_EQ(s.after_backward(6)[0], (Move{7, 2})); // p = 1: block K-1 returns
-  EXPECT_EQ(s.after_backward(4)[0], (Move{5, 0})); // p = K
-  EXPECT_TRUE(s.after_backward(3).empty());
+  for (Algorithm algorithm : {Algorithm::seed, Algorithm::blockswap}) {
+    Schedule s({n, k, Mode::training, 0, algorithm});
+    EXPECT_FALSE(s.writes_back() && algorithm == Algorithm::blockswap);
+    EXPECT_EQ(s.after_forward(0)[0], (Move{0, 5}));
+    EXPECT_EQ(s.after_forward(2)[0], (Move{2, 7}));
+    EXPECT_TRUE(s.after_forward(3).empty());
+  }
+  // The seed hands block 7's slot back to block 2 after block 6's backward (p = 1) ...
+  Schedule seed({n, k, Mode::training, 0, Algorithm::seed});
+  EXPECT_TRUE(seed.after_backward(7).empty());
+  EXPECT_EQ(seed.after_backward(6)[0], (Move{7, 2}));
+  EXPECT_EQ(seed.after_backward(4)[0], (Move{5, 0})); // p = K
+  EXPECT_TRUE(seed.after_backward(3).empty());
+  // ... blockswap as soon as block 7's own backward is done.
+  Schedule ours({n, k, Mode::training});
+  EXPECT_EQ(ours.after_backward(7)[0], (Move{7, 2}));
+  EXPECT_EQ(ours.after_backward(5)[0], (Move{5, 0}));
+  EXPECT_TRUE(ours.after_backward(4).empty());
+}
+
+// In backward, a load hides behind the blocks differentiated between the move and the block's
+// own backward: N-K-1 for blockswap, one fewer for the seed.
+TEST(Schedule, BackwardLoadsHideBehindOneMoreBlockThanTheSeeds) {
+  for (int64_t n = 3; n <= 24; ++n) {
+    for (int64_t k = 1; k <= n - 2; ++k) {
+      for (Algorithm algorithm : {Algorithm::blockswap, Algorithm::seed}) {
+        Schedule s({n, k, Mode::training, 0, algorithm});
+        for (int64_t b = n - 1; b >= 0; --b) {
+          for (const Move& m : s.after_backward(b)) {
+            const int64_t hidden = b - m.in - 1; // blocks differentiated in between
+            EXPECT_EQ(hidden, n - k - 1 - (algorithm == Algorithm::seed ? 1 : 0)) << s.describe();
+          }
+        }
+      }
+    }
+  }
 }
 
 // The seed replay (and blockswap's training schedule) must place blocks exactly as the seed
@@ -194,7 +221,11 @@ TEST(Schedule, SeedReplayResidencyFollowsTheSeedsRules) {
             for (int64_t b = n - 1; b >= 0; --b) {
               ours = residency_after(ours, s.after_backward(b));
               seed.after_backward(b);
-              ASSERT_EQ(ours, seed.on_device) << s.describe() << " after backward " << b;
+              // blockswap makes each backward move one block earlier (BackwardLoadsHide...):
+              // the same moves, so the residency agrees again once the step is over.
+              if (algorithm == Algorithm::seed || b == 0) {
+                ASSERT_EQ(ours, seed.on_device) << s.describe() << " after backward " << b;
+              }
             }
           }
         }

@@ -31,7 +31,20 @@ struct PlanArgs {
   bool json = false;
 };
 
+struct BenchArgs {
+  bool quick = false;
+  bool json = false;
+  std::string csv;
+  std::string plot; // SVG
+  double link_gbps = 25;
+  int64_t blocks = 8;
+  int64_t hidden = 768;
+  int steps = 0;      // 0: 8 with --quick, else 20
+  int64_t tokens = 0; // 0: calibrated so that a block's compute takes about its copy time
+};
+
 int run_command(const RunArgs& args);
+int bench_command(const BenchArgs& args);
 int plan_command(const PlanArgs& args);
 
 } // namespace blockswap::tool

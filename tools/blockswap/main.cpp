@@ -58,9 +58,25 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--mode", plan.mode, "train or infer")->capture_default_str();
   plan_cmd->add_flag("--json", plan.json, "print one JSON object");
 
+  BenchArgs bench;
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench", "Sweep K on the emulated device: blockswap, the seed's schedule and the bound T*");
+  bench_cmd->add_flag("--quick", bench.quick, "8 measured steps per point (under two minutes)");
+  bench_cmd->add_flag("--json", bench.json, "print one JSON object");
+  bench_cmd->add_option("--csv", bench.csv, "also write the rows to FILE.csv");
+  bench_cmd->add_option("--plot", bench.plot, "also write the plot to FILE.svg");
+  bench_cmd->add_option("--link-gbps", bench.link_gbps, "emulated link GB/s")
+      ->capture_default_str();
+  bench_cmd->add_option("--blocks", bench.blocks, "blocks")->capture_default_str();
+  bench_cmd->add_option("--hidden", bench.hidden, "hidden size")->capture_default_str();
+  bench_cmd->add_option("--steps", bench.steps, "measured steps per point (default 20, 8 quick)");
+  bench_cmd->add_option("--tokens", bench.tokens,
+                        "tokens (default: calibrated so a block's compute takes its copy time)");
+
   CLI11_PARSE(app, argc, argv);
   try {
     if (*plan_cmd) return plan_command(plan);
+    if (*bench_cmd) return bench_command(bench);
     return run_command(run); // `blockswap` alone runs the default comparison
   } catch (const std::exception& e) {
     std::fprintf(stderr, "blockswap: error: %s\n", first_line(e.what()).c_str());

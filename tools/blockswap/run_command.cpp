@@ -11,8 +11,8 @@
 #include "blockswap/model_plan.hpp"
 #include "blockswap/torch.hpp"
 #include "commands.hpp"
-#include "progress.hpp"
 #include "reference_transformer.hpp"
+#include "workload.hpp"
 
 namespace blockswap::tool {
 namespace {
@@ -20,75 +20,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using models::ReferenceTransformer;
 using torch::autograd::variable_list;
-
-struct Phase {
-  double step_seconds = 0; // mean over the measured steps
-  std::vector<torch::Tensor> results;
-};
-
-std::string milliseconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f ms", seconds * 1e3);
-  return text;
-}
-
-// Runs one warm-up step and `steps` measured ones. Training: the loss and every adapter
-// gradient of each step are results; inference: the output of each pass.
-Phase run_phase(const std::string& label, ReferenceTransformer& model, ModelOffloader* offloader,
-                const torch::Tensor& input, bool train, int steps) {
-  // GPU work is asynchronous: a step ends when the device is done with it.
-  auto finish_step = [&] {
-    if (input.is_cuda()) torch::cuda::synchronize();
-  };
-  Phase phase;
-  Progress progress;
-  std::vector<torch::Tensor> adapters = model.lora_parameters();
-  auto forward = [&] {
-    if (offloader == nullptr) return model.forward(input);
-    offloader->prepare_block_devices_before_forward();
-    torch::Tensor x = input;
-    auto& blocks = model.blocks();
-    for (int64_t i = 0; i < int64_t(blocks.size()); ++i) {
-      x = offloader->run_block(i, {x}, [block = blocks[i]](const variable_list& in) mutable {
-        return variable_list{block->forward(in[0])};
-      })[0];
-    }
-    return x;
-  };
-  double total = 0;
-  for (int step = 0; step <= steps; ++step) {
-    if (step == 1 && offloader != nullptr) offloader->reset_stats();
-    progress.update(label + " step", step, steps);
-    const auto start = Clock::now();
-    if (train) {
-      const torch::Tensor loss = forward().pow(2).mean();
-      loss.backward();
-      phase.results.push_back(loss.detach());
-      torch::NoGradGuard no_grad;
-      for (auto& p : adapters) {
-        phase.results.push_back(p.grad().clone());
-        p.sub_(p.grad() * 0.1);
-        p.mutable_grad().zero_();
-      }
-    } else {
-      torch::NoGradGuard no_grad;
-      phase.results.push_back(forward());
-    }
-    finish_step();
-    if (step > 0) total += std::chrono::duration<double>(Clock::now() - start).count();
-  }
-  phase.step_seconds = total / steps;
-  return phase;
-}
-
-double max_abs_diff(const Phase& a, const Phase& b) {
-  BLOCKSWAP_ASSERT(a.results.size() == b.results.size());
-  double diff = 0;
-  for (std::size_t i = 0; i < a.results.size(); ++i) {
-    diff = std::max(diff, (a.results[i] - b.results[i]).abs().max().item<double>());
-  }
-  return diff;
-}
 
 } // namespace
 

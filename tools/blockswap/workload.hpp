@@ -1,0 +1,29 @@
+// The work `blockswap run` and `blockswap bench` time: steps of the reference transformer,
+// with or without a ModelOffloader.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "blockswap/torch.hpp"
+#include "reference_transformer.hpp"
+
+namespace blockswap::tool {
+
+struct Phase {
+  double step_seconds = 0; // the median of the measured steps
+  std::vector<torch::Tensor> results;
+};
+
+// Runs one warm-up step and `steps` measured ones (stats are reset after the warm-up).
+// Training: the loss and every adapter gradient of each step are results, and the adapters
+// take an SGD step; inference: the output of each pass.
+Phase run_phase(const std::string& label, models::ReferenceTransformer& model,
+                ModelOffloader* offloader, const torch::Tensor& input, bool train, int steps);
+
+double max_abs_diff(const Phase& a, const Phase& b);
+std::string milliseconds(double seconds);
+
+} // namespace blockswap::tool
