@@ -50,6 +50,10 @@ public:
   // touching either side; the failure reaches whoever waits on the next event recorded on the
   // copy stream.
   void fail_copy(std::size_t nth = 0);
+  // Fault injection: the copy thread itself throws while executing the `nth` copy from now, as
+  // a bug or an allocation failure inside a copy engine would. The thread survives; the
+  // exception reaches whoever waits on the next event recorded on the copy stream.
+  void throw_in_copy_thread(std::size_t nth = 0);
   // Seconds the copy thread has spent copying, throttle included.
   double copy_seconds() const;
 

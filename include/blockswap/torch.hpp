@@ -113,6 +113,8 @@ public:
   torch::autograd::variable_list
   run_block(int64_t block_idx, const torch::autograd::variable_list& inputs, const BlockFn& fn);
   bool is_resident(int64_t block_idx) const;
+  // Blocks the host until every copy enqueued so far has completed (not the computations).
+  void synchronize();
   int64_t blocks_to_swap() const; // K, as given or as the planner chose it
   Stats stats() const;
   void reset_stats();

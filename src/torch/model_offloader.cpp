@@ -294,6 +294,10 @@ bool ModelOffloader::is_resident(int64_t block_idx) const {
   return impl_->engine().is_resident(block_idx);
 }
 
+void ModelOffloader::synchronize() {
+  impl_->engine().synchronize();
+}
+
 int64_t ModelOffloader::blocks_to_swap() const {
   return impl_->blocks_to_swap();
 }

@@ -355,3 +355,45 @@ TEST(Engine, TraceRecordsEveryCopy) {
 
 } // namespace
 } // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+// Fault injection in the copy thread itself: the exception reaches the waiter, nothing hangs,
+// host weights are untouched, and the engine works again after prepare().
+TEST(Engine, CopyThreadThrowingReachesTheWaiterWithoutHanging) {
+  const FakeModel model = uniform(8);
+  auto device = slow_device();
+  Engine engine(device, model.bytes(), {.blocks_to_swap = 3, .rotating_slots = 5});
+  model.fill(engine);
+  const auto before = model.snapshot(engine);
+  engine.prepare();
+  engine.wait_for_block(0);
+  device->throw_in_copy_thread(0);
+  engine.after_forward(0);  // block 5's copy: the copy thread throws
+  try {
+    engine.wait_for_block(1);
+    engine.after_forward(1);
+    engine.wait_for_block(2);
+    engine.after_forward(2);
+    engine.wait_for_block(3);
+    engine.after_forward(3);
+    engine.wait_for_block(4);
+    engine.after_forward(4);
+    engine.wait_for_block(5);
+    FAIL() << "the exception did not reach the waiter";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("injected exception in the copy thread"),
+              std::string::npos)
+        << e.what();
+  }
+  engine.synchronize();
+  EXPECT_EQ(model.snapshot(engine), before);
+  for (int pass = 0; pass < 2; ++pass) {
+    engine.prepare();
+    forward(engine, model);
+  }
+}
+
+}  // namespace
+}  // namespace blockswap

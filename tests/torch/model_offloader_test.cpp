@@ -460,3 +460,56 @@ TEST(ModelOffloader, DisableSwapRunsEverythingResident) {
 
 } // namespace
 } // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+// Blocks may differ in dtype and hold tensors of several dtypes: each block is packed at
+// aligned offsets and a slot fits the largest.
+TEST(ModelOffloader, BlocksWithDifferentDtypes) {
+  torch::NoGradGuard no_grad;
+  auto make = [] {
+    torch::manual_seed(5);
+    std::vector<torch::nn::Linear> layers{torch::nn::Linear(6, 6), torch::nn::Linear(6, 6),
+                                          torch::nn::Linear(6, 6)};
+    layers[1]->to(torch::kFloat64);
+    layers[2]->register_buffer("counter", torch::arange(5, torch::kLong));
+    for (auto& l : layers) l->to(kDevice);
+    return layers;
+  };
+  auto run = [](std::vector<torch::nn::Linear>& layers, ModelOffloader* offloader) {
+    torch::Tensor x = torch::ones({2, 6}).to(kDevice);
+    for (int64_t i = 0; i < 3; ++i) {
+      auto fn = [layer = layers[i]](const variable_list& in) mutable {
+        const auto dtype = layer->weight.scalar_type();
+        return variable_list{layer->forward(in[0].to(dtype)).to(torch::kFloat32)};
+      };
+      x = offloader ? offloader->run_block(i, {x}, fn)[0] : fn({x})[0];
+    }
+    return x;
+  };
+  auto reference = make();
+  auto layers = make();
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (auto& l : layers) modules.push_back(l.ptr());
+  ModelOffloader offloader("layers", modules, options(1, false));
+  for (int pass = 0; pass < 3; ++pass) {
+    offloader.prepare_block_devices_before_forward();
+    expect_bitwise(run(layers, &offloader), run(reference, nullptr), "mixed dtypes");
+  }
+}
+
+TEST(ModelOffloader, PlannerWithoutABudgetIsAnError) {
+  Model model(4);
+  Options o = options(-1, false);
+  try {
+    ModelOffloader offloader("blocks", model.modules(), o);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("needs device_budget_bytes > 0"), std::string::npos)
+        << e.what();
+  }
+}
+
+} // namespace
+} // namespace blockswap

@@ -62,15 +62,6 @@ double forward_seconds(ReferenceTransformer& model, int64_t tokens) {
   return times[1];
 }
 
-double t_with(ReferenceTransformer& model, const torch::Tensor& input, bool train, int steps,
-              Options options, Stats* stats) {
-  ModelOffloader offloader("blocks", model.modules(), options);
-  const Phase phase = run_phase(options.algorithm == Algorithm::seed ? "seed" : "blockswap", model,
-                                &offloader, input, train, steps);
-  if (stats != nullptr) *stats = offloader.stats();
-  return phase.step_seconds;
-}
-
 void write_csv(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream file(path, std::ios::trunc);
   BLOCKSWAP_CHECK(file.is_open(), "cannot write '", path, "'");
@@ -111,7 +102,8 @@ int bench_command(const BenchArgs& args) {
   const int64_t n = args.blocks;
 
   models::TransformerConfig config{n, args.hidden, std::max<int64_t>(1, args.hidden / 64), 8, 0};
-  ReferenceTransformer model(config);
+  ReferenceTransformer model(config), swapped(config), seeded(config);
+  ReferenceTransformer& plain = model;
   const uint64_t block_bytes = model.frozen_bytes() / uint64_t(n);
   const double gbps = achieved_gbps(args.link_gbps, block_bytes);
   const double copy_seconds = double(block_bytes) / (gbps * 1e9);
@@ -146,11 +138,26 @@ int bench_command(const BenchArgs& args) {
       options.supports_backward = train;
       options.emulated_link_gbps = args.link_gbps;
       Row row{mode, k};
-      row.t_noswap = run_phase("noswap", model, nullptr, input, train, steps).step_seconds;
-      Stats stats;
-      row.t_swap = t_with(model, input, train, steps, options, &stats);
+      // The three variants take turns, step by step, so that each ratio compares steps run
+      // under the same machine conditions.
+      ModelOffloader swap_offloader("blocks", swapped.modules(), options);
       options.algorithm = Algorithm::seed;
-      row.t_seed = t_with(model, input, train, steps, options, nullptr);
+      ModelOffloader seed_offloader("blocks", seeded.modules(), options);
+      StepRunner runners[] = {{plain, nullptr, input, train},
+                              {swapped, &swap_offloader, input, train},
+                              {seeded, &seed_offloader, input, train}};
+      std::vector<double> times[3];
+      for (int step = 0; step <= steps; ++step) {
+        if (step == 1) swap_offloader.reset_stats();
+        for (int v = 0; v < 3; ++v) {
+          const double seconds = runners[v].step(nullptr);
+          if (step > 0) times[v].push_back(seconds);
+        }
+      }
+      row.t_noswap = median(times[0]);
+      row.t_swap = median(times[1]);
+      row.t_seed = median(times[2]);
+      const Stats stats = swap_offloader.stats();
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
       std::vector<std::size_t> packed(n, 0);

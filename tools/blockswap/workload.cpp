@@ -21,51 +21,70 @@ std::string milliseconds(double seconds) {
   return text;
 }
 
+StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader,
+                       torch::Tensor input, bool train)
+    : model_(model),
+      offloader_(offloader),
+      input_(std::move(input)),
+      train_(train),
+      adapters_(model.lora_parameters()) {}
+
+torch::Tensor StepRunner::forward() {
+  if (offloader_ == nullptr) return model_.forward(input_);
+  offloader_->prepare_block_devices_before_forward();
+  torch::Tensor x = input_;
+  auto& blocks = model_.blocks();
+  for (int64_t i = 0; i < int64_t(blocks.size()); ++i) {
+    x = offloader_->run_block(i, {x}, [block = blocks[i]](const variable_list& in) mutable {
+      return variable_list{block->forward(in[0])};
+    })[0];
+  }
+  return x;
+}
+
+double StepRunner::step(std::vector<torch::Tensor>* results) {
+  const auto start = Clock::now();
+  if (train_) {
+    const torch::Tensor loss = forward().pow(2).mean();
+    loss.backward();
+    if (results != nullptr) results->push_back(loss.detach());
+    torch::NoGradGuard no_grad;
+    for (auto& p : adapters_) {
+      if (results != nullptr) results->push_back(p.grad().clone());
+      p.sub_(p.grad() * 0.1);
+      p.mutable_grad().zero_();
+    }
+  } else {
+    torch::NoGradGuard no_grad;
+    torch::Tensor out = forward();
+    if (results != nullptr) results->push_back(out);
+  }
+  // A step ends when all its work is done: its computations (asynchronous on a GPU) and its
+  // copies (on the copy stream, whatever the device).
+  if (input_.is_cuda()) torch::cuda::synchronize();
+  if (offloader_ != nullptr) offloader_->synchronize();
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  BLOCKSWAP_ASSERT(!values.empty());
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
+
 Phase run_phase(const std::string& label, ReferenceTransformer& model, ModelOffloader* offloader,
                 const torch::Tensor& input, bool train, int steps) {
-  // GPU work is asynchronous: a step ends when the device is done with it.
-  auto finish_step = [&] {
-    if (input.is_cuda()) torch::cuda::synchronize();
-  };
   Phase phase;
   Progress progress;
-  std::vector<torch::Tensor> adapters = model.lora_parameters();
-  auto forward = [&] {
-    if (offloader == nullptr) return model.forward(input);
-    offloader->prepare_block_devices_before_forward();
-    torch::Tensor x = input;
-    auto& blocks = model.blocks();
-    for (int64_t i = 0; i < int64_t(blocks.size()); ++i) {
-      x = offloader->run_block(i, {x}, [block = blocks[i]](const variable_list& in) mutable {
-        return variable_list{block->forward(in[0])};
-      })[0];
-    }
-    return x;
-  };
+  StepRunner runner(model, offloader, input, train);
   std::vector<double> times;
   for (int step = 0; step <= steps; ++step) {
     if (step == 1 && offloader != nullptr) offloader->reset_stats();
     progress.update(label + " step", step, steps);
-    const auto start = Clock::now();
-    if (train) {
-      const torch::Tensor loss = forward().pow(2).mean();
-      loss.backward();
-      phase.results.push_back(loss.detach());
-      torch::NoGradGuard no_grad;
-      for (auto& p : adapters) {
-        phase.results.push_back(p.grad().clone());
-        p.sub_(p.grad() * 0.1);
-        p.mutable_grad().zero_();
-      }
-    } else {
-      torch::NoGradGuard no_grad;
-      phase.results.push_back(forward());
-    }
-    finish_step();
-    if (step > 0) times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+    const double seconds = runner.step(&phase.results);
+    if (step > 0) times.push_back(seconds);
   }
-  std::sort(times.begin(), times.end());
-  phase.step_seconds = times[times.size() / 2];
+  phase.step_seconds = median(times);
   return phase;
 }
 

@@ -17,6 +17,26 @@ struct Phase {
   std::vector<torch::Tensor> results;
 };
 
+// One step of the reference transformer, through `offloader` when it is not null.
+class StepRunner {
+ public:
+  StepRunner(models::ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
+             bool train);
+  // Runs a step and returns its seconds. Training: the loss and every adapter gradient go to
+  // `results` (when not null) and the adapters take an SGD step; inference: the output.
+  double step(std::vector<torch::Tensor>* results);
+
+ private:
+  torch::Tensor forward();
+  models::ReferenceTransformer& model_;
+  ModelOffloader* offloader_;
+  torch::Tensor input_;
+  bool train_;
+  std::vector<torch::Tensor> adapters_;
+};
+
+double median(std::vector<double> values);
+
 // Runs one warm-up step and `steps` measured ones (stats are reset after the warm-up).
 // Training: the loss and every adapter gradient of each step are results, and the adapters
 // take an SGD step; inference: the output of each pass.

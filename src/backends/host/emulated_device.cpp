@@ -43,6 +43,7 @@ struct Task {
   bool fail = false;
   bool to_device = true;
   int64_t tag = -1;
+  bool throws = false;
 };
 
 void poison_bytes(std::byte* data, std::size_t bytes) {
@@ -61,6 +62,7 @@ struct EmulatedDevice::State {
   bool stopping = false;
   std::exception_ptr pending_error; // a failed copy, waiting for the next record
   std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
+  std::size_t copies_until_throw = std::numeric_limits<std::size_t>::max();
   double copy_seconds = 0;
   CopyObserver observer;
 
@@ -73,6 +75,7 @@ struct EmulatedDevice::State {
     {
       std::lock_guard lock(mutex);
       if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) task.fail = true;
+      if (task.kind == Task::Kind::copy && copies_until_throw-- == 0) task.throws = true;
       queue.push_back(std::move(task));
     }
     changed.notify_all();
@@ -85,40 +88,54 @@ struct EmulatedDevice::State {
       if (queue.empty()) return; // stopping, and everything enqueued is done
       Task task = std::move(queue.front());
       queue.pop_front();
-      switch (task.kind) {
-      case Task::Kind::wait:
-        changed.wait(lock, [&] { return task.mark->done; });
-        break;
-      case Task::Kind::record:
-        task.mark->error = std::exchange(pending_error, nullptr);
-        task.mark->done = true;
-        changed.notify_all();
-        break;
-      case Task::Kind::poison:
-        lock.unlock();
-        poison_bytes(task.dst, task.bytes);
-        lock.lock();
-        break;
-      case Task::Kind::copy:
-        if (task.fail) {
-          pending_error = std::make_exception_ptr(Error(
-              detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
-          break;
-        }
-        lock.unlock();
-        const auto start = Clock::now();
-        copy_paced(task, start);
-        const auto end = Clock::now();
-        lock.lock();
-        copy_seconds += std::chrono::duration<double>(end - start).count();
-        if (observer) {
-          const CopyObserver notify = observer;
-          lock.unlock();
-          notify(CopyRecord{task.to_device, task.bytes, task.tag, start, end});
-          lock.lock();
-        }
+      try {
+        execute(task, lock);
+      } catch (...) {
+        // Whatever a task throws goes to the next waiter, as a failed copy does; the copy
+        // stream carries on.
+        if (!lock.owns_lock()) lock.lock();
+        pending_error = std::current_exception();
+      }
+    }
+  }
+
+  // Runs one task; `lock` is held on entry and on a normal return.
+  void execute(Task& task, std::unique_lock<std::mutex>& lock) {
+    switch (task.kind) {
+    case Task::Kind::wait:
+      changed.wait(lock, [&] { return task.mark->done; });
+      break;
+    case Task::Kind::record:
+      task.mark->error = std::exchange(pending_error, nullptr);
+      task.mark->done = true;
+      changed.notify_all();
+      break;
+    case Task::Kind::poison:
+      lock.unlock();
+      poison_bytes(task.dst, task.bytes);
+      lock.lock();
+      break;
+    case Task::Kind::copy: {
+      if (task.fail) {
+        pending_error = std::make_exception_ptr(Error(
+            detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
         break;
       }
+      lock.unlock();
+      if (task.throws) throw Error("emulated device: injected exception in the copy thread");
+      const auto start = Clock::now();
+      copy_paced(task, start);
+      const auto end = Clock::now();
+      lock.lock();
+      copy_seconds += std::chrono::duration<double>(end - start).count();
+      if (observer) {
+        const CopyObserver notify = observer;
+        lock.unlock();
+        notify(CopyRecord{task.to_device, task.bytes, task.tag, start, end});
+        lock.lock();
+      }
+      break;
+    }
     }
   }
 
@@ -260,6 +277,11 @@ MemoryStats EmulatedDevice::memory() const {
   std::lock_guard lock(state_->mutex);
   return MemoryStats{state_->device_bytes, state_->peak_device_bytes,
                      state_->options.capacity_bytes, false};
+}
+
+void EmulatedDevice::throw_in_copy_thread(std::size_t nth) {
+  std::lock_guard lock(state_->mutex);
+  state_->copies_until_throw = nth;
 }
 
 void EmulatedDevice::fail_copy(std::size_t nth) {
