@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 
 #include "blockswap/emulated.hpp"
 #include "blockswap/error.hpp"
@@ -213,7 +214,11 @@ TEST(Engine, SlotsThatDoNotFitAreOutOfMemory) {
   EXPECT_NO_THROW(Engine(device, model.bytes(), {.blocks_to_swap = 3}));
 }
 
-TEST(Engine, FailedCopyReachesTheWaiterAndLosesNothing) {
+// A fault injected into the copy of block 5 (the first move of a seed-like rotation, N=8,
+// K=3) must reach whoever waits for block 5, leave every host byte as it was, and leave the
+// engine usable from the next prepare().
+void expect_fault_reaches_the_waiter(const std::function<void(EmulatedDevice&)>& inject,
+                                     const std::string& message) {
   const FakeModel model = uniform(8);
   auto device = slow_device();
   Engine engine(device, model.bytes(), {.blocks_to_swap = 3, .rotating_slots = 5});
@@ -221,17 +226,17 @@ TEST(Engine, FailedCopyReachesTheWaiterAndLosesNothing) {
   const auto before = model.snapshot(engine);
   engine.prepare();
   engine.wait_for_block(0);
-  device->fail_copy(0);
-  engine.after_forward(0); // loads block 5: the copy fails
+  inject(*device);
+  engine.after_forward(0); // loads block 5: the fault strikes
   for (int64_t i = 1; i < 5; ++i) {
     engine.wait_for_block(i);
     engine.after_forward(i);
   }
   try {
     engine.wait_for_block(5);
-    FAIL() << "the failed copy did not reach the waiter";
+    FAIL() << "the fault did not reach the waiter";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("injected failure"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
   }
   EXPECT_FALSE(engine.is_resident(5));
   engine.synchronize();
@@ -241,6 +246,16 @@ TEST(Engine, FailedCopyReachesTheWaiterAndLosesNothing) {
     engine.prepare();
     forward(engine, model);
   }
+}
+
+TEST(Engine, FailedCopyReachesTheWaiterAndLosesNothing) {
+  expect_fault_reaches_the_waiter([](EmulatedDevice& d) { d.fail_copy(0); }, "injected failure");
+}
+
+// The copy thread itself throwing: the thread survives and nothing hangs.
+TEST(Engine, CopyThreadThrowingReachesTheWaiterWithoutHanging) {
+  expect_fault_reaches_the_waiter([](EmulatedDevice& d) { d.throw_in_copy_thread(0); },
+                                  "injected exception in the copy thread");
 }
 
 TEST(Engine, DisableKeepsEveryBlockOnTheDevice) {
@@ -355,45 +370,3 @@ TEST(Engine, TraceRecordsEveryCopy) {
 
 } // namespace
 } // namespace blockswap
-
-namespace blockswap {
-namespace {
-
-// Fault injection in the copy thread itself: the exception reaches the waiter, nothing hangs,
-// host weights are untouched, and the engine works again after prepare().
-TEST(Engine, CopyThreadThrowingReachesTheWaiterWithoutHanging) {
-  const FakeModel model = uniform(8);
-  auto device = slow_device();
-  Engine engine(device, model.bytes(), {.blocks_to_swap = 3, .rotating_slots = 5});
-  model.fill(engine);
-  const auto before = model.snapshot(engine);
-  engine.prepare();
-  engine.wait_for_block(0);
-  device->throw_in_copy_thread(0);
-  engine.after_forward(0);  // block 5's copy: the copy thread throws
-  try {
-    engine.wait_for_block(1);
-    engine.after_forward(1);
-    engine.wait_for_block(2);
-    engine.after_forward(2);
-    engine.wait_for_block(3);
-    engine.after_forward(3);
-    engine.wait_for_block(4);
-    engine.after_forward(4);
-    engine.wait_for_block(5);
-    FAIL() << "the exception did not reach the waiter";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("injected exception in the copy thread"),
-              std::string::npos)
-        << e.what();
-  }
-  engine.synchronize();
-  EXPECT_EQ(model.snapshot(engine), before);
-  for (int pass = 0; pass < 2; ++pass) {
-    engine.prepare();
-    forward(engine, model);
-  }
-}
-
-}  // namespace
-}  // namespace blockswap
