@@ -56,11 +56,9 @@ int run_command(const RunArgs& args) {
   options.emulated_link_gbps = args.link_gbps;
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
 
-  const Phase baseline =
-      run_phase("without swap:", baseline_model, nullptr, input, train, args.steps);
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
-  const Phase swapped =
-      run_phase("with blockswap:", swapped_model, &offloader, input, train, args.steps);
+  const auto [baseline, swapped] =
+      run_side_by_side(baseline_model, swapped_model, offloader, input, train, args.steps);
   const Stats stats = offloader.stats();
   const double diff = max_abs_diff(baseline, swapped);
   if (options.trace) options.trace->write_chrome_json(args.trace);

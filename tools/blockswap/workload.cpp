@@ -21,12 +21,9 @@ std::string milliseconds(double seconds) {
   return text;
 }
 
-StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader,
-                       torch::Tensor input, bool train)
-    : model_(model),
-      offloader_(offloader),
-      input_(std::move(input)),
-      train_(train),
+StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
+                       bool train)
+    : model_(model), offloader_(offloader), input_(std::move(input)), train_(train),
       adapters_(model.lora_parameters()) {}
 
 torch::Tensor StepRunner::forward() {
@@ -72,20 +69,23 @@ double median(std::vector<double> values) {
   return values[values.size() / 2];
 }
 
-Phase run_phase(const std::string& label, ReferenceTransformer& model, ModelOffloader* offloader,
-                const torch::Tensor& input, bool train, int steps) {
-  Phase phase;
+std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceTransformer& swapped,
+                                         ModelOffloader& offloader, const torch::Tensor& input,
+                                         bool train, int steps) {
   Progress progress;
-  StepRunner runner(model, offloader, input, train);
-  std::vector<double> times;
+  Phase phases[2];
+  StepRunner runners[] = {{plain, nullptr, input, train}, {swapped, &offloader, input, train}};
+  std::vector<double> times[2];
   for (int step = 0; step <= steps; ++step) {
-    if (step == 1 && offloader != nullptr) offloader->reset_stats();
-    progress.update(label + " step", step, steps);
-    const double seconds = runner.step(&phase.results);
-    if (step > 0) times.push_back(seconds);
+    if (step == 1) offloader.reset_stats();
+    progress.update("step", step, steps);
+    for (int v = 0; v < 2; ++v) {
+      const double seconds = runners[v].step(&phases[v].results);
+      if (step > 0) times[v].push_back(seconds);
+    }
   }
-  phase.step_seconds = median(times);
-  return phase;
+  for (int v = 0; v < 2; ++v) phases[v].step_seconds = median(times[v]);
+  return {std::move(phases[0]), std::move(phases[1])};
 }
 
 double max_abs_diff(const Phase& a, const Phase& b) {

@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "blockswap/torch.hpp"
@@ -19,14 +20,14 @@ struct Phase {
 
 // One step of the reference transformer, through `offloader` when it is not null.
 class StepRunner {
- public:
+public:
   StepRunner(models::ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
              bool train);
   // Runs a step and returns its seconds. Training: the loss and every adapter gradient go to
   // `results` (when not null) and the adapters take an SGD step; inference: the output.
   double step(std::vector<torch::Tensor>* results);
 
- private:
+private:
   torch::Tensor forward();
   models::ReferenceTransformer& model_;
   ModelOffloader* offloader_;
@@ -37,11 +38,12 @@ class StepRunner {
 
 double median(std::vector<double> values);
 
-// Runs one warm-up step and `steps` measured ones (stats are reset after the warm-up).
-// Training: the loss and every adapter gradient of each step are results, and the adapters
-// take an SGD step; inference: the output of each pass.
-Phase run_phase(const std::string& label, models::ReferenceTransformer& model,
-                ModelOffloader* offloader, const torch::Tensor& input, bool train, int steps);
+// The model without swapping and a copy of it through `offloader`, step by step in turn (one
+// warm-up step each, then `steps` measured), so that both see the same machine conditions.
+std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
+                                         models::ReferenceTransformer& swapped,
+                                         ModelOffloader& offloader, const torch::Tensor& input,
+                                         bool train, int steps);
 
 double max_abs_diff(const Phase& a, const Phase& b);
 std::string milliseconds(double seconds);
