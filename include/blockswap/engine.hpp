@@ -89,8 +89,10 @@ public:
   std::size_t block_bytes(int64_t block) const;
   std::size_t slot_bytes() const { return slot_bytes_; }
 
-  // Places blocks as the current schedule starts (all of them when swapping is disabled) and
-  // waits until they are loaded. Synchronous, like the seed's.
+  // Places blocks as the current schedule starts (all of them when swapping is disabled).
+  // When it moves blocks it waits until they are loaded, like the seed's; in the steady state
+  // it moves none and returns at once, leaving loads started by the last pass to
+  // wait_for_block.
   void prepare();
   // Orders compute after block i's load. Throws if block i is not resident.
   void wait_for_block(int64_t block);

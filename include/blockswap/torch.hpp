@@ -94,8 +94,10 @@ public:
   ModelOffloader(const ModelOffloader&) = delete;
   ModelOffloader& operator=(const ModelOffloader&) = delete;
 
-  // Places blocks as a pass starts (all of them while swapping is disabled) and waits until
-  // they are loaded. Call it before every forward pass.
+  // Places blocks as a pass starts (all of them while swapping is disabled). When it moves
+  // blocks it waits until they are loaded; in the steady state it returns at once, and the
+  // loads the last pass started are waited for by wait_for_block / run_block. Call it before
+  // every forward pass.
   void prepare_block_devices_before_forward();
   // Makes compute wait for block i's load. Throws if block i is not on the device. Does nothing
   // during the recompute pass of reentrant checkpointing (grad mode on, with that option).

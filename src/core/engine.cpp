@@ -111,6 +111,12 @@ void Engine::ensure_slots(int64_t count) {
 // prepare() restores the set of blocks the schedule starts with. Which slot a block sits in
 // does not matter (all slots have the same size), so a block already on the device stays
 // where it is and nothing is copied in the steady state.
+//
+// When it has to place blocks itself (the first pass, after a mode change, disable or
+// enable) it is synchronous, as the seed's is, and leaves every block ready. In the steady
+// state it does not wait: the loads the last pass started for this one (forward-only
+// rotation) stay in flight until wait_for_block orders compute after them, so the host never
+// waits here for the previous pass's compute.
 void Engine::prepare() {
   std::lock_guard lock(mutex_);
   const int64_t n = blocks();
@@ -118,15 +124,21 @@ void Engine::prepare() {
   const auto needed = enabled_ ? current().slots() : n;
   auto wanted = [&](int64_t b) { return !enabled_ || initial[b] >= 0; };
   ensure_slots(needed);
+  bool placed = false;
   for (int64_t b = 0; b < n; ++b) {
-    if (blocks_[b].slot >= 0 && !wanted(b)) evict(b, false);
+    if (blocks_[b].slot >= 0 && !wanted(b)) {
+      evict(b, false);
+      placed = true;
+    }
   }
   int64_t free_slot = 0;
   for (int64_t b = 0; b < n; ++b) {
     if (!wanted(b) || blocks_[b].slot >= 0) continue;
     while (slots_[free_slot].block >= 0) ++free_slot;
     load(b, free_slot);
+    placed = true;
   }
+  if (!placed) return;
   synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
     if (blocks_[b].slot >= 0 && !blocks_[b].ready) mark_ready(b);

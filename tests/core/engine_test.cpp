@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -366,6 +367,30 @@ TEST(Engine, TraceRecordsEveryCopy) {
   const std::string json = trace->to_chrome_json();
   EXPECT_GE(trace->size(), 7u);
   EXPECT_NE(json.find("load block 5"), std::string::npos);
+}
+
+} // namespace
+} // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+// In the steady state prepare() copies nothing and does not wait: the load of block 0 that
+// the last pass started (rotation {0, 2}) is still in flight, and wait_for_block orders it.
+TEST(Engine, SteadyStatePrepareDoesNotWait) {
+  const FakeModel model = uniform(4, 4 << 20); // 16 MiB blocks at 1 GB/s: 17 ms a load
+  Engine engine(slow_device(1.0), model.bytes(), {.blocks_to_swap = 1, .rotating_slots = 1});
+  model.fill(engine);
+  engine.prepare();
+  forward(engine, model); // ends by loading block 0 for the next pass
+  const auto start = std::chrono::steady_clock::now();
+  engine.prepare();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 0.005) << "prepare waited for the copy";
+  EXPECT_TRUE(engine.is_resident(0));
+  EXPECT_FALSE(engine.is_ready(0));
+  forward(engine, model); // waits for block 0, computes with the right weights
 }
 
 } // namespace
