@@ -124,6 +124,14 @@ int bench_command(const BenchArgs& args) {
                static_cast<long long>(tokens), args.link_gbps, gbps, copy_seconds * 1e3,
                compute_seconds * 1e3);
 
+  // The packed size of a block (its tensors at aligned offsets), as the engine's slots hold it:
+  // with K=0 the device holds N slots.
+  std::vector<std::size_t> packed;
+  {
+    const ModelOffloader probe("blocks", model.modules(), Options{});
+    packed.assign(n, probe.stats().device_bytes / uint64_t(n));
+  }
+
   std::vector<Row> rows;
   Progress progress;
   const int total = int(2 * n - 1);
@@ -160,11 +168,6 @@ int bench_command(const BenchArgs& args) {
       const Stats stats = swap_offloader.stats();
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
-      std::vector<std::size_t> packed(n, 0);
-      {
-        ModelOffloader probe("blocks", model.modules(), Options{});
-        packed.assign(n, probe.stats().device_bytes / uint64_t(n));
-      }
       row.planned_device_bytes = slot_device_bytes(packed, k);
       row.t_bound = std::max(row.t_noswap, double(row.h2d_bytes) / (gbps * 1e9));
       rows.push_back(row);
