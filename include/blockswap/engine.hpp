@@ -58,11 +58,14 @@ struct EngineStats {
 };
 
 // Told when a block becomes ready on the device and when it leaves it. Called with the
-// engine's lock held: it must not call back into the engine.
+// engine's lock held: it must not call back into the engine. `slot` is the device memory the
+// block's weights occupy; sharing it keeps that memory alive after the engine has let it go
+// (Note [slot lifetime] in engine.cpp). on_evicted runs before the slot can be overwritten:
+// it may read the slot (e.g. to save weights changed there); if it throws, the block stays.
 class ResidencyListener {
 public:
   virtual ~ResidencyListener() = default;
-  virtual void on_ready(int64_t block, std::byte* device_data) = 0;
+  virtual void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) = 0;
   virtual void on_evicted(int64_t block) = 0;
 };
 
@@ -94,9 +97,24 @@ public:
   // it moves none and returns at once, leaving loads started by the last pass to
   // wait_for_block.
   void prepare();
-  // Orders compute after block i's load. Throws if block i is not resident.
+  // Orders compute after block i's load on the compute stream as it is now (also when the
+  // block is ready already: the caller may have switched streams). Throws if block i is not
+  // resident.
   void wait_for_block(int64_t block);
-  // The current schedule's moves after block i's forward / backward. No-ops while disabled.
+  // Like wait_for_block, but loads block i first when it is not resident (the recompute pass of
+  // checkpointing, which runs from the last block to the first), into an empty slot or the
+  // slot of a later block.
+  void acquire(int64_t block);
+  // Block i's backward is about to run and autograd's saved tensors point into `slot`, the
+  // memory block i was computed in: makes `slot` hold block i again (evicting the slot's
+  // occupant, loading block i) and orders compute after that load. The backwards that started
+  // before it, of later blocks, are complete by then: their moves (the current schedule's
+  // after_backward) run first, as prefetches. Throws Error when `slot` is no longer one of the
+  // engine's slots. Note [exact backward] in engine.cpp.
+  void acquire_for_backward(int64_t block, const Buffer* slot);
+  // The current schedule's moves after block i's forward / backward; no-ops while disabled.
+  // after_backward is for callers that see each backward end (tests, benchmarks); its moves
+  // fail when the blocks are not where the schedule has them.
   void after_forward(int64_t block);
   void after_backward(int64_t block);
 
@@ -111,6 +129,8 @@ public:
   bool is_ready(int64_t block) const;
   // Block i's weights on the device. Throws unless block i is ready.
   std::byte* device_data(int64_t block) const;
+  // The slot that holds block i, shared (Note [slot lifetime]). Throws unless block i is ready.
+  std::shared_ptr<Buffer> device_buffer(int64_t block) const;
   // Block i's weights were changed on the device: copy them back when it is evicted.
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
@@ -130,15 +150,21 @@ private:
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
     int64_t replaced = -1;         // for debug lines: the block its load evicted
     std::chrono::steady_clock::time_point submitted;
+    const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
   };
   struct SlotState {
-    Buffer memory;
+    std::shared_ptr<Buffer> memory;
     int64_t block = -1;
     std::unique_ptr<Event> released; // recorded on the compute stream after its last reader
   };
 
   const Schedule& current() const;
   void check_block(int64_t block) const;
+  void wait_locked(int64_t block);
+  int64_t slot_index(const Buffer* memory) const;
+  void place(int64_t block, int64_t slot);
+  int64_t victim_for(int64_t block) const;
+  void prefetch_after_backward(int64_t block);
   void move(const Move& move);
   void evict(int64_t block, bool refilled);
   void load(int64_t block, int64_t slot);
@@ -159,6 +185,7 @@ private:
   std::vector<BlockState> blocks_;
   std::vector<SlotState> slots_;
   std::unique_ptr<Event> copies_done_;
+  std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
   ResidencyListener* listener_ = nullptr;
   EngineStats stats_;
   mutable std::mutex mutex_;

@@ -53,6 +53,7 @@ struct Op {
   Kind kind = Kind::forward;
   int64_t block = -1; // the block computed, or for a move the block whose compute triggered it
   Move move{};        // Kind::move only
+  int64_t slot = -1;  // the slot the block is computed in, or the slot a move refills
 };
 
 class Schedule {
@@ -84,7 +85,9 @@ public:
 
   // Blocks loaded from host memory per pass (forward-only: K+R) or step (training: 2K).
   int64_t loads_per_pass() const { return loads_per_pass_; }
-  // The whole pass (forward-only) or step (forward then backward), moves in place.
+  // The whole pass (forward-only) or step (forward then backward), moves in place, each op
+  // with its slot: which block sits in which slot when. In training every block is computed
+  // in the same slot in its backward as in its forward (Note [exact backward] in engine.cpp).
   std::vector<Op> pass() const;
   std::string describe() const;
 

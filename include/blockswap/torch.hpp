@@ -22,8 +22,17 @@
 //
 // Each block's frozen parameters and buffers are packed into one aligned host buffer (pinned
 // on a GPU). While a block is on the device its tensors are views of its device slot; while it
-// is not, they are empty tensors, so using one fails loudly. Parameters that require grad
-// (adapters being trained) are never packed and never move.
+// is not, they are views of its host copy, so reading them (sum(), torch::save) gives their
+// true values, and on a GPU computing with them fails on the device check. Parameters that
+// require grad (adapters being trained) are never packed and never move. Tensors the caller
+// changes in place (buffers updated by forward, weights loaded with copy_ or torch::load) are
+// written back to the host copy, never dropped.
+//
+// Training is exact in any order: before a block's backward runs, its weights are put back
+// where its forward's saved tensors point (loading them if another block took the slot). With
+// grad mode on, the plain submit_move_blocks_forward(i) cannot see backward and raises; use
+// run_block, or the overload that takes and returns the block's outputs. docs/guide.md lists
+// which call patterns are exact and which raise.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -61,6 +70,10 @@ struct Options {
   // Algorithm::seed replays the seed's own moves (copy back on every eviction, every block
   // every inference pass, host-blocking waits): the baseline the benchmarks measure against.
   Algorithm algorithm = Algorithm::blockswap;
+  // Tests and debugging on the emulated device: a block's tensors have no elements while it is
+  // not ready, so computing with a block that is not on the device fails at once instead of
+  // reading its host copy. Reading such tensors gives empty data: not for saving checkpoints.
+  bool strict_residency = false;
 };
 
 struct Stats {
@@ -81,13 +94,17 @@ using BlockFn =
 
 class ModelOffloader {
 public:
-  // Throws blockswap::Error for an empty or null block list, a parameter shared between blocks,
-  // K out of range, a budget too small for any K, or device memory that cannot hold the slots.
+  // Validates every tensor first (meta, sparse, quantized, not contiguous, on another device,
+  // shared between blocks, managed by another offloader) and throws blockswap::Error naming it;
+  // also for an empty or null block list, K out of range, a budget too small for any K, or
+  // device memory that cannot hold the slots. All or nothing: when it throws, every tensor is
+  // as it was. Only blockswap::Error escapes.
   ModelOffloader(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
                  Options options);
   ModelOffloader(std::string block_type, const torch::nn::ModuleList& blocks, Options options);
   // Waits for copies in flight and leaves every packed parameter and buffer an ordinary host
-  // tensor holding its original values. Never throws.
+  // tensor holding its current values. Never throws. A backward that needs the offloader
+  // afterwards raises blockswap::Error; no memory is ever read after it is freed.
   ~ModelOffloader();
 
   // not copyable, not movable: blocks' tensors and autograd nodes refer to it
@@ -99,19 +116,27 @@ public:
   // loads the last pass started are waited for by wait_for_block / run_block. Call it before
   // every forward pass.
   void prepare_block_devices_before_forward();
-  // Makes compute wait for block i's load. Throws if block i is not on the device. Does nothing
-  // during the recompute pass of reentrant checkpointing (grad mode on, with that option).
+  // Makes compute wait for block i's load. Throws if block i is not on the device. During the
+  // recompute pass of reentrant checkpointing (grad mode on, with that option) it loads block
+  // i if it is not on the device and moves nothing else.
   void wait_for_block(int64_t block_idx);
-  // After block i's forward: its moves (DESIGN.md section 1). Same reentrant rule.
+  // After block i's forward: its moves (DESIGN.md section 1); nothing in the recompute pass.
+  // With grad mode on (and K > 0) it throws: the plain verb cannot see backward, so a block
+  // could be gone when its backward runs. Train with run_block or the overload below; run
+  // inference under torch::NoGradGuard.
   void submit_move_blocks_forward(int64_t block_idx);
+  // The same, for training by hand: pass block i's outputs and go on with the tensors it
+  // returns (the same values). They bracket the block in autograd: before its backward runs,
+  // its weights are brought back where its forward's saved tensors point.
+  torch::autograd::variable_list
+  submit_move_blocks_forward(int64_t block_idx, const torch::autograd::variable_list& outputs);
   void disable_block_swap();
   void enable_block_swap();
   // Forward-only (inference) or training moves. Training needs supports_backward.
   void set_forward_only(bool forward_only);
-  // wait → fn → submit. In training with grad mode on, the backward moves are wired into
-  // autograd, and a block whose slot is reused between its forward and its backward is
-  // recomputed in backward (autograd's saved views of its weights would read another block).
-  // `fn` must stay callable until that backward has run.
+  // wait → fn → submit, with the block bracketed in autograd when grad mode is on: exact
+  // gradients whatever part of the model the backward covers, in whatever order, however many
+  // times. `fn` receives the block's inputs (undefined ones stay undefined).
   torch::autograd::variable_list
   run_block(int64_t block_idx, const torch::autograd::variable_list& inputs, const BlockFn& fn);
   bool is_resident(int64_t block_idx) const;

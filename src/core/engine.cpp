@@ -24,6 +24,11 @@ std::string format_seconds(double seconds) {
 }
 
 ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& options, Mode mode) {
+  // K is checked against the mode the engine can reach with the tightest bound first, so that
+  // a K too large for training is reported as a training error.
+  if (options.supports_backward) {
+    Schedule::check(static_cast<int64_t>(blocks), options.blocks_to_swap, Mode::training);
+  }
   return ScheduleOptions{static_cast<int64_t>(blocks), options.blocks_to_swap, mode,
                          options.rotating_slots, options.algorithm};
 }
@@ -97,10 +102,14 @@ std::size_t Engine::block_bytes(int64_t block) const {
   return blocks_[block].bytes;
 }
 
+// Note [slot lifetime]
+// Slots are shared: the listener's views of a slot (the front end's tensors, and the views
+// autograd saves of them) own it too. A slot the engine lets go, or outlives, is freed only
+// once nothing views it, so a pending backward never reads freed memory.
 void Engine::ensure_slots(int64_t count) {
   while (static_cast<int64_t>(slots_.size()) < count) {
     SlotState slot;
-    slot.memory = backend_->allocate_device(slot_bytes_);
+    slot.memory = std::make_shared<Buffer>(backend_->allocate_device(slot_bytes_));
     slot.released = backend_->make_event();
     slots_.push_back(std::move(slot));
     stats_.device_bytes += slot_bytes_;
@@ -138,6 +147,7 @@ void Engine::prepare() {
     load(b, free_slot);
     placed = true;
   }
+  backward_started_.clear(); // a new pass starts
   if (!placed) return;
   synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
@@ -146,11 +156,13 @@ void Engine::prepare() {
   if (static_cast<int64_t>(slots_.size()) > needed) release_empty_slots();
 }
 
-// Frees the slots added while swapping was disabled. Called with no copy in flight.
+// Frees the slots added while swapping was disabled. Called with no copy in flight. A slot that
+// autograd still views (a backward is pending) stays until a later prepare: its block's
+// backward will need it (Note [exact backward]).
 void Engine::release_empty_slots() {
   std::vector<SlotState> kept;
   for (SlotState& slot : slots_) {
-    if (slot.block < 0) {
+    if (slot.block < 0 && slot.memory.use_count() == 1) {
       stats_.device_bytes -= slot_bytes_;
       continue;
     }
@@ -163,12 +175,22 @@ void Engine::release_empty_slots() {
 void Engine::wait_for_block(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
-  BlockState& state = blocks_[block];
-  BLOCKSWAP_CHECK(state.slot >= 0, "[", options_.label, "] block ", block,
+  BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", options_.label, "] block ", block,
                   " is not on the device; this ", current().describe(),
                   " does not place it there now (call prepare_block_devices_before_forward() "
                   "before each pass, and wait for blocks in the order they are computed)");
-  if (state.ready) return;
+  wait_locked(block);
+}
+
+// A ready block's load is complete, but the stream that computes now may not be the one that
+// waited for it (the caller can switch the current stream between passes): the wait is
+// enqueued again, which costs a stream-wait on a completed event.
+void Engine::wait_locked(int64_t block) {
+  BlockState& state = blocks_[block];
+  if (state.ready) {
+    if (!current().host_waits()) backend_->wait(Stream::compute, *state.loaded);
+    return;
+  }
   const auto start = Clock::now();
   try {
     if (current().host_waits()) {
@@ -197,6 +219,11 @@ void Engine::wait_for_block(int64_t block) {
 void Engine::after_forward(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
+  BlockState& state = blocks_[block];
+  BLOCKSWAP_CHECK(state.slot < 0 || state.ready, "[", options_.label, "] block ", block,
+                  " was computed before its load was waited for: call wait_for_block(", block,
+                  ") before the block's forward");
+  if (state.slot >= 0) state.computed_in = slots_[state.slot].memory.get();
   if (!enabled_) return;
   for (const Move& m : current().after_forward(block)) move(m);
 }
@@ -206,6 +233,90 @@ void Engine::after_backward(int64_t block) {
   check_block(block);
   if (!enabled_) return;
   for (const Move& m : current().after_backward(block)) move(m);
+}
+
+int64_t Engine::slot_index(const Buffer* memory) const {
+  for (std::size_t s = 0; s < slots_.size(); ++s) {
+    if (slots_[s].memory.get() == memory) return static_cast<int64_t>(s);
+  }
+  return -1;
+}
+
+// Block `block` into slot `slot`, whatever either holds now. The load is enqueued, not waited.
+void Engine::place(int64_t block, int64_t slot) {
+  BlockState& state = blocks_[block];
+  if (state.slot == slot) return;
+  if (state.slot >= 0) evict(block, false);
+  if (slots_[slot].block >= 0) evict(slots_[slot].block, true);
+  load(block, slot);
+}
+
+void Engine::acquire(int64_t block) {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  if (blocks_[block].slot < 0) place(block, victim_for(block));
+  wait_locked(block);
+}
+
+// A slot for `block`, loaded outside the schedule during backward (the recompute pass of
+// checkpointing goes from the last block to the first): an empty slot, else the slot of a
+// later block (its backward is done), preferring the slot `block` was last computed in, else
+// the slot of the earliest block (its backward comes last).
+int64_t Engine::victim_for(int64_t block) const {
+  int64_t chosen = 0;
+  auto score = [&](int64_t s) -> int64_t { // higher is better
+    const int64_t occupant = slots_[s].block;
+    if (occupant < 0) return 3 * blocks();
+    if (occupant > block) return slots_[s].memory.get() == blocks_[block].computed_in
+                                     ? 2 * blocks() + 1
+                                     : blocks() + occupant;
+    return blocks() - occupant;
+  };
+  for (int64_t s = 1; s < static_cast<int64_t>(slots_.size()); ++s) {
+    if (score(s) > score(chosen)) chosen = s;
+  }
+  return chosen;
+}
+
+// Note [exact backward]
+// Autograd saves views of a block's weights (Note [trap 1] in src/torch/block_autograd.cpp):
+// a block's backward reads the slot its forward ran in, whatever that slot holds by then.
+// So before the backward of block i runs, that very slot is made to hold block i again. In
+// the schedule's own order this finds block i there already (the training moves hand every
+// block its forward slot back; Schedule tests check it for every N and K) and costs one
+// stream-wait; in any other order (a loss on an intermediate block, a subset of blocks in the
+// graph, two forwards then one backward, backward twice, a mode change in between) it loads
+// the block on demand, and the backward is still exact. The moves after a backward are
+// prefetches only: a block's backward is known to be over when the next block's starts (the
+// front end sees no other end of it), and its moves run then.
+void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  while (!backward_started_.empty() && backward_started_.back() >= block) {
+    const int64_t done = backward_started_.back();
+    backward_started_.pop_back();
+    if (enabled_) prefetch_after_backward(done);
+  }
+  const int64_t s = slot_index(slot);
+  BLOCKSWAP_CHECK(s >= 0, "[", options_.label, "] block ", block,
+                  "'s backward needs the device memory its forward ran in, which this offloader "
+                  "no longer has");
+  place(block, s);
+  wait_locked(block);
+  backward_started_.push_back(block);
+}
+
+// Each move of the schedule after `block`'s backward brings its incoming block back into the
+// slot that block was last computed in, unless it is on the device already.
+void Engine::prefetch_after_backward(int64_t block) {
+  for (const Move& m : current().after_backward(block)) {
+    const int64_t s = slot_index(blocks_[m.in].computed_in);
+    if (blocks_[m.in].slot >= 0 || s < 0) continue;
+    const int64_t occupant = slots_[s].block;
+    place(m.in, s);
+    blocks_[m.in].replaced = occupant;
+    ++stats_.moves;
+  }
 }
 
 void Engine::move(const Move& m) {
@@ -243,15 +354,15 @@ void Engine::move(const Move& m) {
 void Engine::evict(int64_t block, bool refilled) {
   BlockState& state = blocks_[block];
   SlotState& slot = slots_[state.slot];
+  if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty || current().writes_back()) {
-    backend_->copy_to_host(state.host->data(), slot.memory.data(), state.bytes, block);
+    backend_->copy_to_host(state.host->data(), slot.memory->data(), state.bytes, block);
     stats_.d2h_bytes += state.bytes;
     state.dirty = false;
   }
-  if (!refilled) backend_->poison(slot.memory.data(), slot_bytes_);
-  if (listener_ != nullptr) listener_->on_evicted(block);
+  if (!refilled) backend_->poison(slot.memory->data(), slot_bytes_);
   slot.block = -1;
   state.slot = -1;
   state.ready = false;
@@ -261,8 +372,8 @@ void Engine::load(int64_t block, int64_t slot) {
   BlockState& state = blocks_[block];
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
-  backend_->poison(s.memory.data() + state.bytes, slot_bytes_ - state.bytes);
-  backend_->copy_to_device(s.memory.data(), state.host->data(), state.bytes, block);
+  backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
+  backend_->copy_to_device(s.memory->data(), state.host->data(), state.bytes, block);
   backend_->record(*state.loaded, Stream::copy);
   stats_.h2d_bytes += state.bytes;
   s.block = block;
@@ -274,8 +385,8 @@ void Engine::load(int64_t block, int64_t slot) {
 
 void Engine::mark_ready(int64_t block) {
   BlockState& state = blocks_[block];
+  if (listener_ != nullptr) listener_->on_ready(block, slots_[state.slot].memory);
   state.ready = true;
-  if (listener_ != nullptr) listener_->on_ready(block, slots_[state.slot].memory.data());
 }
 
 // A copy failed: whatever was loading may hold garbage. Blocks not yet waited for leave the
@@ -356,7 +467,15 @@ std::byte* Engine::device_data(int64_t block) const {
   BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block,
                   state.slot >= 0 ? " is still loading: call wait_for_block() before using it"
                                   : " is not on the device");
-  return slots_[state.slot].memory.data();
+  return slots_[state.slot].memory->data();
+}
+
+std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  const BlockState& state = blocks_[block];
+  BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block, " is not ready");
+  return slots_[state.slot].memory;
 }
 
 void Engine::mark_dirty(int64_t block) {

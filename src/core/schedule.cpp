@@ -1,6 +1,7 @@
 #include "blockswap/schedule.hpp"
 
 #include <algorithm>
+#include <utility>
 
 #include "blockswap/error.hpp"
 
@@ -128,9 +129,13 @@ std::span<const Move> Schedule::after_backward(int64_t block) const {
 
 std::vector<Op> Schedule::pass() const {
   std::vector<Op> ops;
+  std::vector<int64_t> slot = initial_slots_;
   auto emit = [&](Op::Kind kind, int64_t block, std::span<const Move> moves) {
-    ops.push_back(Op{kind, block, {}});
-    for (const Move& m : moves) ops.push_back(Op{Op::Kind::move, block, m});
+    ops.push_back(Op{kind, block, {}, slot[block]});
+    for (const Move& m : moves) {
+      slot[m.in] = std::exchange(slot[m.out], -1);
+      ops.push_back(Op{Op::Kind::move, block, m, slot[m.in]});
+    }
   };
   for (int64_t b = 0; b < blocks_; ++b) emit(Op::Kind::forward, b, forward_moves_[b]);
   if (mode_ == Mode::training) {

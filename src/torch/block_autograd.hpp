@@ -1,39 +1,43 @@
 // Autograd wiring for training with swapped blocks. Implementer-only (src/torch).
 //
-// C++ modules have no backward hooks, so the seed's per-block backward hook is an autograd
-// node placed on the block's inputs: it runs once the gradients of all the block's inputs
-// exist, i.e. right after the block's backward.
+// C++ modules have no backward hooks, so a block's outputs pass through an identity autograd
+// node whose backward runs just before the block's own backward: the block is brought back to
+// where autograd's saved views of its weights point. Nothing is attached to the block's inputs:
+// an identity there would regroup the sums of gradients that autograd accumulates (a tensor
+// used inside and outside the block), and the gradients would no longer be bitwise those of
+// the model run without blockswap. Note [trap 1] in the .cpp says why the node exists.
 #pragma once
 
 #include <torch/csrc/autograd/variable.h>
 
 #include <cstdint>
-#include <functional>
 #include <memory>
+#include <string>
+
+#include "blockswap/backend.hpp"
 
 namespace blockswap::torch_frontend {
 
 using variable_list = torch::autograd::variable_list;
-using BlockFunction = std::function<variable_list(const variable_list&)>;
 
-// What the autograd nodes call back. Held weakly: a node whose offloader is gone does nothing
-// (BlockEntry) or fails with a clear error (recompute).
+// What the autograd node calls back, from autograd's thread. Held weakly: once the offloader
+// is gone, a backward that would need it raises instead of reading stale memory.
 class BackwardEvents {
 public:
   virtual ~BackwardEvents() = default;
-  // Block `block` is needed on the device now (its recompute is about to run).
-  virtual void wait_for_block(int64_t block) = 0;
-  // Block `block`'s backward is complete: the seed's backward hook.
-  virtual void block_backward_done(int64_t block) = 0;
+  // Block `block`'s backward is about to run; autograd's views of its weights point into
+  // `slot`, the memory its forward ran in.
+  virtual void block_backward_starts(int64_t block, const Buffer* slot) = 0;
 };
 
-// fn(inputs), with `events.block_backward_done(block)` fired after the block's backward.
-variable_list run_with_backward_hook(const std::shared_ptr<BackwardEvents>& events, int64_t block,
-                                     const variable_list& inputs, const BlockFunction& fn);
-
-// fn(inputs) without keeping its graph; in backward the block is waited for, recomputed with
-// grad mode on and differentiated, then block_backward_done fires. Note [trap 1] in the .cpp.
-variable_list run_with_recompute(const std::shared_ptr<BackwardEvents>& events, int64_t block,
-                                 const variable_list& inputs, BlockFunction fn);
+// The block's outputs, passed through an identity whose backward fires block_backward_starts
+// before any of the block's own backward runs; undefined outputs stay undefined, outputs that
+// need no gradient get none, and when none needs one the outputs are returned as they are. The
+// node shares `slot`, so the memory outlives the offloader as long as the graph does (Note
+// [slot lifetime] in engine.cpp). `what` names the block in the error raised when the
+// offloader is gone by then ("[blocks] block 3").
+variable_list exit_block(const std::shared_ptr<BackwardEvents>& events, int64_t block,
+                         std::shared_ptr<Buffer> slot, std::string what,
+                         const variable_list& outputs);
 
 } // namespace blockswap::torch_frontend

@@ -1,9 +1,11 @@
 #include "block_packing.hpp"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
 #include <cstring>
+#include <iostream>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -19,14 +21,8 @@ std::size_t align(std::size_t offset) {
   return (offset + kAlignment - 1) / kAlignment * kAlignment;
 }
 
-// A tensor that refers to no memory: using it in an op fails with a shape error instead of
-// computing with another block's weights.
-at::Tensor nowhere(const PackedTensor& t, c10::Device device) {
-  return at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device));
-}
-
 // Tensors packed by a live offloader, process-wide: a second offloader over the same modules
-// would see their empty placeholders and pack nothing.
+// would pack the first one's views.
 struct Claims {
   std::mutex mutex;
   std::unordered_set<const void*> tensors;
@@ -36,35 +32,63 @@ Claims& claims() {
   return instance;
 }
 
+// Why `tensor` cannot be swapped, or nothing.
+std::string unusable(const at::Tensor& tensor, c10::Device device) {
+  if (tensor.is_meta()) return "is a meta tensor (it holds no values): load its weights first";
+  if (tensor.is_sparse() || tensor.layout() != c10::kStrided) {
+    return "is not a dense tensor: blockswap swaps dense (strided) tensors only";
+  }
+  if (tensor.is_quantized()) return "is a quantized tensor, which blockswap cannot pack";
+  if (!tensor.device().is_cpu() && tensor.device().type() != device.type()) {
+    return detail::concat("is on ", tensor.device().str(), ", but the offloader's device is ",
+                          device.str());
+  }
+  if (!tensor.device().is_cpu() && device.has_index() && tensor.device() != device) {
+    return detail::concat("is on ", tensor.device().str(), ", but the offloader's device is ",
+                          device.str());
+  }
+  return {};
+}
+
 } // namespace
 
 std::vector<BlockLayout>
-layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks) {
+layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+              const std::string& label, c10::Device device) {
   std::vector<BlockLayout> layouts(blocks.size());
   std::unordered_map<const void*, std::size_t> owner; // TensorImpl -> block
+  std::lock_guard lock(claims().mutex);
   for (std::size_t b = 0; b < blocks.size(); ++b) {
-    BLOCKSWAP_CHECK(blocks[b] != nullptr, "block ", b, " is a null module");
+    BLOCKSWAP_CHECK(blocks[b] != nullptr, "[", label, "] block ", b, " is a null module");
     BlockLayout& layout = layouts[b];
+    auto check = [&](const std::string& name, const at::Tensor& tensor) {
+      const std::string why = unusable(tensor, device);
+      BLOCKSWAP_CHECK(why.empty(), "[", label, "] tensor '", name, "' of block ", b, " ", why);
+    };
     auto add = [&](const std::string& name, const at::Tensor& tensor) {
       if (!tensor.defined()) return;
+      check(name, tensor);
+      BLOCKSWAP_CHECK(tensor.is_contiguous(), "[", label, "] tensor '", name, "' of block ", b,
+                      " is not contiguous: make it so first (t.set_data(t.contiguous()))");
       const auto [it, inserted] = owner.emplace(tensor.unsafeGetTensorImpl(), b);
-      BLOCKSWAP_CHECK(inserted || it->second == b, "tensor '", name, "' of block ", b,
-                      " is shared with block ", it->second,
+      BLOCKSWAP_CHECK(inserted || it->second == b, "[", label, "] tensor '", name, "' of block ",
+                      b, " is shared with block ", it->second,
                       ": blocks must own their weights to be swapped");
       if (!inserted) return; // the same tensor twice inside one block: packed once
-      {
-        std::lock_guard lock(claims().mutex);
-        BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "tensor '", name,
-                        "' of block ", b,
-                        " is already managed by another ModelOffloader; destroy that one first");
-      }
+      BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "[", label,
+                      "] tensor '", name, "' of block ", b,
+                      " is already managed by another ModelOffloader; destroy that one first");
       layout.bytes = align(layout.bytes);
       layout.tensors.push_back(
           PackedTensor{name, tensor, layout.bytes, tensor.sizes().vec(), tensor.scalar_type()});
       layout.bytes += tensor.numel() * tensor.element_size();
     };
     for (const auto& item : blocks[b]->named_parameters(/*recurse=*/true)) {
-      if (!item.value().requires_grad()) add(item.key(), item.value());
+      if (item.value().requires_grad()) {
+        check(item.key(), item.value()); // stays as it is, on the device
+      } else {
+        add(item.key(), item.value());
+      }
     }
     for (const auto& item : blocks[b]->named_buffers(/*recurse=*/true)) {
       add(item.key(), item.value());
@@ -73,52 +97,108 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks) {
   return layouts;
 }
 
-BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, c10::Device device)
-    : layouts_(std::move(layouts)), device_(device) {}
+BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, c10::Device device, bool strict)
+    : layouts_(std::move(layouts)), device_(device), strict_(strict) {}
+
+at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
+  // The view shares the buffer: the weights outlive the engine.
+  const std::shared_ptr<Buffer>& host = hosts_[block];
+  return at::from_blob(
+      host->data() + t.offset, t.sizes, [keep = host](void*) mutable { keep.reset(); },
+      at::TensorOptions().dtype(t.dtype).device(at::kCPU));
+}
+
+void BlockBinder::bind(PackedTensor& t, const at::Tensor& data) {
+  t.variable.set_data(data);
+  t.bound_data = t.variable.data_ptr();
+  t.bound_version = t.variable._version();
+}
 
 void BlockBinder::pack(Engine& engine) {
-  {
-    std::lock_guard lock(claims().mutex);
-    for (const auto& layout : layouts_) {
-      for (const auto& t : layout.tensors)
-        claims().tensors.insert(t.variable.unsafeGetTensorImpl());
+  // First the copies, which may fail: nothing the caller sees changes until they are done.
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
+    for (const PackedTensor& t : layouts_[b].tensors) {
+      const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
+      std::memcpy(hosts_[b]->data() + t.offset, source.data_ptr(),
+                  source.numel() * source.element_size());
     }
   }
+  std::lock_guard lock(claims().mutex);
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    std::byte* host = engine.host_data(static_cast<int64_t>(b));
     for (PackedTensor& t : layouts_[b].tensors) {
-      const at::Tensor source = t.variable.to(at::kCPU).contiguous();
-      std::memcpy(host + t.offset, source.data_ptr(), source.numel() * source.element_size());
-      t.variable.set_data(nowhere(t, device_));
+      claims().tensors.insert(t.variable.unsafeGetTensorImpl());
+      bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                      : host_view(static_cast<int64_t>(b), t));
     }
   }
 }
 
-void BlockBinder::restore_to_host(Engine& engine) {
-  for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    std::shared_ptr<Buffer> host = engine.host_buffer(static_cast<int64_t>(b));
+// Note [changed tensors]
+// A block's tensors are the caller's too: buffers that the forward updates (running
+// statistics), weights loaded with copy_ or torch::load (which rebinds them with set_), a
+// checkpoint restored while blocks are swapped. Each time blockswap points a tensor somewhere
+// it notes the address and autograd's version counter, which every in-place write bumps; when
+// either differs at the next move, the tensor's current values are copied into the host copy
+// (which is authoritative) before the slot can be reused, and into the slot when the block
+// becomes ready. Such writes cost a synchronous copy of that tensor; frozen weights that
+// nobody writes cost a comparison.
+void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
+  const at::Tensor& now = t.variable;
+  BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "tensor '",
+                  t.name, "' of block ", block, " was replaced by one of shape ", now.sizes(),
+                  " and dtype ", now.scalar_type(), " where the block has ", at::IntArrayRef(t.sizes),
+                  " and ", t.dtype, ": a swapped block's tensors keep their shape and dtype");
+  const at::Tensor host = host_view(block, t);
+  if (now.data_ptr() != host.data_ptr()) {
+    at::NoGradGuard no_grad;
+    host.copy_(now.detach());
+  }
+}
+
+void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
+  at::NoGradGuard no_grad;
+  for (PackedTensor& t : layouts_[block].tensors) {
+    const bool changed = t.variable.data_ptr() != t.bound_data ||
+                         t.variable._version() != t.bound_version;
+    if (changed) save_changes(block, t);
+    at::Tensor view = at::from_blob(
+        slot->data() + t.offset, t.sizes, [keep = slot](void*) mutable { keep.reset(); },
+        at::TensorOptions().dtype(t.dtype).device(device_));
+    if (changed) view.copy_(host_view(block, t)); // the load may have carried older values
+    bind(t, view);
+  }
+}
+
+void BlockBinder::on_evicted(int64_t block) {
+  for (PackedTensor& t : layouts_[block].tensors) {
+    if (t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version) {
+      save_changes(block, t);
+    }
+  }
+  for (PackedTensor& t : layouts_[block].tensors) {
+    bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                    : host_view(block, t));
+  }
+}
+
+void BlockBinder::restore_to_host() {
+  for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
     for (PackedTensor& t : layouts_[b].tensors) {
-      // The tensor keeps the packed buffer alive: no copy, and the weights outlive the engine.
-      t.variable.set_data(at::from_blob(
-          host->data() + t.offset, t.sizes, [host](void*) mutable { host.reset(); },
-          at::TensorOptions().dtype(t.dtype).device(at::kCPU)));
+      try {
+        if (t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version) {
+          save_changes(static_cast<int64_t>(b), t);
+        }
+      } catch (const std::exception& e) {
+        std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
+      }
+      bind(t, host_view(static_cast<int64_t>(b), t));
     }
   }
   std::lock_guard lock(claims().mutex);
   for (const auto& layout : layouts_) {
     for (const auto& t : layout.tensors) claims().tensors.erase(t.variable.unsafeGetTensorImpl());
   }
-}
-
-void BlockBinder::on_ready(int64_t block, std::byte* device_data) {
-  for (PackedTensor& t : layouts_[block].tensors) {
-    t.variable.set_data(at::from_blob(device_data + t.offset, t.sizes,
-                                      at::TensorOptions().dtype(t.dtype).device(device_)));
-  }
-}
-
-void BlockBinder::on_evicted(int64_t block) {
-  for (PackedTensor& t : layouts_[block].tensors) t.variable.set_data(nowhere(t, device_));
 }
 
 } // namespace blockswap::torch_frontend

@@ -24,6 +24,10 @@ struct PackedTensor {
   std::size_t offset = 0;
   std::vector<int64_t> sizes;
   c10::ScalarType dtype = c10::ScalarType::Float;
+  // What blockswap last pointed `variable` at, to see the caller's writes (Note [changed
+  // tensors] in the .cpp).
+  const void* bound_data = nullptr;
+  int64_t bound_version = 0;
 };
 
 struct BlockLayout {
@@ -32,27 +36,41 @@ struct BlockLayout {
 };
 
 // The frozen parameters (requires_grad false) and the buffers of a block, at 256-byte aligned
-// offsets. Throws Error when a tensor belongs to an earlier block too.
+// offsets. Validates every tensor of every block first and changes nothing: throws Error
+// naming the tensor for a null module, a tensor shared with an earlier block or claimed by
+// another offloader, and a tensor that is meta, sparse, quantized, not contiguous, or on a
+// device other than the host and `device`. Trainable parameters are checked too.
 std::vector<BlockLayout>
-layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks);
+layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+              const std::string& label, c10::Device device);
 
-// Keeps the modules' tensors pointing at the right memory as the engine moves blocks.
+// Keeps the modules' tensors pointing at the right memory as the engine moves blocks: a view
+// of its slot while a block is ready, a view of its host copy otherwise (or, when `strict`,
+// a tensor with no elements, so that computing with it fails).
 class BlockBinder final : public ResidencyListener {
 public:
-  BlockBinder(std::vector<BlockLayout> layouts, c10::Device device);
+  BlockBinder(std::vector<BlockLayout> layouts, c10::Device device, bool strict);
 
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
-  // Copies every block's tensors into the engine's host buffers and leaves them empty.
+  // Copies every block's tensors into the engine's host buffers, then points them at those
+  // copies and claims them. All or nothing: when it throws, no tensor has changed.
   void pack(Engine& engine);
-  // Points every packed tensor at its host copy again (shared ownership of the buffer).
-  void restore_to_host(Engine& engine);
+  // Saves what the caller changed, points every packed tensor at its host copy (sharing the
+  // buffer, which outlives the engine) and releases the claims. Never throws.
+  void restore_to_host();
 
-  void on_ready(int64_t block, std::byte* device_data) override;
+  void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) override;
   void on_evicted(int64_t block) override;
 
 private:
+  at::Tensor host_view(int64_t block, const PackedTensor& t) const;
+  void save_changes(int64_t block, PackedTensor& t) const;
+  static void bind(PackedTensor& t, const at::Tensor& data);
+
   std::vector<BlockLayout> layouts_;
+  std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()
   c10::Device device_;
+  bool strict_ = false;
 };
 
 } // namespace blockswap::torch_frontend

@@ -60,15 +60,18 @@ std::shared_ptr<Backend> make_backend(const Options& options, c10::Device device
                              ")"));
 }
 
-// Adapters being trained stay on the compute device for good: put them there once.
-void move_trainable_to(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
-                       c10::Device device) {
-  if (device.is_cpu()) return;
+// Adapters being trained stay on the compute device for good: their device copies, made before
+// anything is changed (the constructor is all or nothing).
+std::vector<std::pair<at::Tensor, at::Tensor>>
+trainable_on(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks, c10::Device device) {
+  std::vector<std::pair<at::Tensor, at::Tensor>> moves;
+  if (device.is_cpu()) return moves;
   for (const auto& block : blocks) {
     for (auto& p : block->parameters()) {
-      if (p.requires_grad() && p.device() != device) p.set_data(p.data().to(device));
+      if (p.requires_grad() && p.device() != device) moves.emplace_back(p, p.data().to(device));
     }
   }
+  return moves;
 }
 
 int64_t choose_blocks_to_swap(const Options& options, const std::vector<BlockLayout>& layouts) {
@@ -82,20 +85,27 @@ int64_t choose_blocks_to_swap(const Options& options, const std::vector<BlockLay
                              options.supports_backward ? Mode::training : Mode::forward_only);
 }
 
+std::vector<BlockLayout> checked_layouts(const std::string& label,
+                                         const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                         c10::Device device) {
+  BLOCKSWAP_CHECK(!blocks.empty(), "[", label, "] ModelOffloader needs at least one block");
+  return torch_frontend::layout_blocks(blocks, label, device);
+}
+
 } // namespace
 
 class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
        Options options)
-      : options_(options), device_(resolve_device(options)), blocks_(std::move(blocks)),
-        binder_(torch_frontend::layout_blocks(blocks_), device_) {
-    BLOCKSWAP_CHECK(!blocks_.empty(), "[", block_type, "] ModelOffloader needs at least one block");
+      : options_(options), label_(std::move(block_type)), device_(resolve_device(options)),
+        blocks_(std::move(blocks)), binder_(checked_layouts(label_, blocks_, device_), device_,
+                                            options.strict_residency) {
     blocks_to_swap_ = choose_blocks_to_swap(options_, binder_.layouts());
     std::vector<std::size_t> bytes;
     for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
     EngineOptions engine_options;
-    engine_options.label = std::move(block_type);
+    engine_options.label = label_;
     engine_options.blocks_to_swap = blocks_to_swap_;
     engine_options.supports_backward = options_.supports_backward;
     engine_options.rotating_slots = options_.rotating_slots;
@@ -104,10 +114,11 @@ public:
     engine_options.algorithm = options_.algorithm;
     engine_ =
         std::make_unique<Engine>(make_backend(options_, device_), std::move(bytes), engine_options);
-    move_trainable_to(blocks_, device_);
-    if (options_.supports_backward) plan_backward(engine_->schedule());
-    binder_.pack(*engine_);
+    auto trainable = trainable_on(blocks_, device_);
+    binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
+    for (auto& [parameter, on_device] : trainable) parameter.set_data(on_device);
     engine_->set_listener(&binder_);
+    forwarded_.assign(binder_.layouts().size(), false);
   }
 
   ~Impl() override {
@@ -115,14 +126,9 @@ public:
       engine_->set_listener(nullptr);
       engine_->synchronize();
     } catch (const std::exception& e) {
-      std::cerr << "[" << engine_->label() << "] ModelOffloader: " << e.what() << '\n';
+      std::cerr << "[" << label_ << "] ModelOffloader: " << e.what() << '\n';
     }
-    try {
-      binder_.restore_to_host(*engine_);
-    } catch (const std::exception& e) {
-      std::cerr << "[" << engine_->label()
-                << "] ModelOffloader could not restore weights: " << e.what() << '\n';
-    }
+    binder_.restore_to_host();
   }
 
   Engine& engine() { return *engine_; }
@@ -131,114 +137,95 @@ public:
   bool recompute_pass() const {
     return options_.reentrant_activation_checkpointing && at::GradMode::is_enabled();
   }
+  // Whether a block computed now may be differentiated later, with its weights moved by then.
+  bool bracketed() const { return at::GradMode::is_enabled() && blocks_to_swap_ > 0; }
+
+  void prepare() {
+    engine_->prepare();
+    forwarded_.assign(forwarded_.size(), false);
+  }
 
   torch::autograd::variable_list run_block(const std::shared_ptr<Impl>& self, int64_t block,
                                            const torch::autograd::variable_list& inputs,
                                            const BlockFn& fn) {
-    // Backward moves exist only when training with swapping on and grad mode on.
-    const bool autograd = at::GradMode::is_enabled() && options_.supports_backward &&
-                          !engine_->forward_only() && engine_->enabled() && blocks_to_swap_ > 0;
-    if (recompute_pass()) {
-      // The caller's reentrant checkpointing recomputes the block: the verbs do nothing, but
-      // the backward moves must still follow its backward.
-      check_ready(block);
-      return autograd && hooks_[block]
-                 ? torch_frontend::run_with_backward_hook(self, block, inputs, fn)
-                 : fn(inputs);
-    }
-    engine_->wait_for_block(block);
-    check_ready(block);
+    wait(block);
     const auto start = Trace::Clock::now();
-    torch::autograd::variable_list outputs;
-    if (autograd && recompute_[block]) {
-      outputs = torch_frontend::run_with_recompute(self, block, inputs, fn);
-    } else if (autograd && hooks_[block]) {
-      if (evicted_[block]) forward_data_[block] = engine_->device_data(block);
-      outputs = torch_frontend::run_with_backward_hook(self, block, inputs, fn);
-    } else {
-      outputs = fn(inputs);
-    }
+    const auto outputs = fn(inputs);
     if (options_.trace) {
       last_mark_ = Trace::Clock::now();
       options_.trace->add(detail::concat("forward ", block), Track::compute, start, last_mark_);
     }
-    engine_->after_forward(block);
-    return outputs;
+    return submit(self, block, outputs);
   }
 
-  void wait_for_block(int64_t block) override { engine_->wait_for_block(block); }
-
-  // The seed's backward hook: after block b's backward, its moves; then block b-1 must be on
-  // the device before its own backward starts.
-  void block_backward_done(int64_t block) override {
-    if (options_.trace) {
-      // Backward runs inside autograd: the span ends at this hook and starts at the last mark.
-      const auto now = Trace::Clock::now();
-      options_.trace->add(detail::concat("backward to block ", block), Track::compute, last_mark_,
-                          now);
-      last_mark_ = now;
+  // Before a block's forward: its load waited for (or, in the recompute pass, made).
+  void wait(int64_t block) {
+    if (recompute_pass()) {
+      engine_->acquire(block);
+      return;
     }
-    engine_->after_backward(block);
-    const int64_t previous = block - 1;
-    if (previous < 0 || !engine_->is_resident(previous)) return;
-    engine_->wait_for_block(previous);
-    // Runs before the previous block's backward starts (its outputs are this block's inputs).
-    BLOCKSWAP_ASSERT(!evicted_[previous] || recompute_[previous] ||
-                         forward_data_[previous] == nullptr ||
-                         engine_->device_data(previous) == forward_data_[previous],
-                     "block ", previous, " came back to another slot: its saved tensors would ",
-                     "read other weights (Note [trap 1])");
+    check_first_forward(block);
+    engine_->wait_for_block(block);
   }
+
+  // After a block's forward: its outputs bracketed in autograd, its moves.
+  torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
+                                        const torch::autograd::variable_list& outputs) {
+    torch::autograd::variable_list result = outputs;
+    if (bracketed()) {
+      result = torch_frontend::exit_block(self, block, engine_->device_buffer(block),
+                                          detail::concat("[", label_, "] block ", block), outputs);
+    }
+    if (!recompute_pass()) move_after_forward(block);
+    return result;
+  }
+
+  void move_after_forward(int64_t block) {
+    forwarded_.at(block) = true;
+    engine_->after_forward(block);
+  }
+
+  void block_backward_starts(int64_t block, const Buffer* slot) override {
+    mark_compute(detail::concat("backward to block ", block + 1));
+    engine_->acquire_for_backward(block, slot);
+  }
+
+  const std::string& label() const { return label_; }
 
 private:
-  void check_ready(int64_t block) const {
-    BLOCKSWAP_CHECK(engine_->is_ready(block), "[", engine_->label(), "] block ", block,
-                    " is not on the device: call prepare_block_devices_before_forward() before "
-                    "the pass and run blocks in order");
+  // Backward runs inside autograd: a traced span ends at each bracket and starts at the last.
+  void mark_compute(const std::string& what) {
+    if (!options_.trace) return;
+    const auto now = Trace::Clock::now();
+    options_.trace->add(what, Track::compute, last_mark_, now);
+    last_mark_ = now;
   }
 
-  // Note [trap 1] (block_autograd.cpp): a block whose weights sit at another address in its
-  // backward than in its forward must be recomputed. The seed's training moves give every
-  // block evicted after its forward the very slot it left (block N-K+i borrows block i's slot
-  // and hands it back), so its saved views read its own weights again and no recompute is
-  // needed; the simulation below finds any block for which that does not hold. Blocks with
-  // work after their backward (moves, or a block to wait for) get a hook.
-  void plan_backward(const Schedule& training) {
-    const int64_t n = training.blocks();
-    recompute_.assign(n, false);
-    evicted_.assign(n, false);
-    hooks_.assign(n, false);
-    forward_data_.assign(n, nullptr);
-    std::vector<int64_t> slot = training.initial_slots(), forward_slot(n, -1);
-    std::vector<bool> backward_done(n, false), reloaded(n, false);
-    for (const Op& op : training.pass()) {
-      if (op.kind == Op::Kind::forward) forward_slot[op.block] = slot[op.block];
-      if (op.kind == Op::Kind::backward) {
-        backward_done[op.block] = true;
-        recompute_[op.block] = evicted_[op.block] && slot[op.block] != forward_slot[op.block];
-      }
-      if (op.kind != Op::Kind::move) continue;
-      const Move& m = op.move;
-      if (forward_slot[m.out] >= 0 && !backward_done[m.out]) evicted_[m.out] = true;
-      if (backward_done[op.block]) reloaded[m.in] = true;
-      slot[m.in] = std::exchange(slot[m.out], -1);
-    }
-    for (int64_t b = 0; b < n; ++b) {
-      hooks_[b] = !training.after_backward(b).empty() || (b >= 1 && reloaded[b - 1]);
-    }
+  // In training, a block computed twice with grad mode on between two prepares is either the
+  // recompute of reentrant checkpointing without that option, or a second pass without
+  // prepare: the moves would follow neither. Both are named.
+  void check_first_forward(int64_t block) const {
+    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(forwarded_.size()), "[", label_,
+                    "] block index ", block, " is out of range for ", forwarded_.size(),
+                    " blocks");
+    const bool training = options_.supports_backward && !engine_->forward_only();
+    BLOCKSWAP_CHECK(!(training && at::GradMode::is_enabled() && forwarded_[block]), "[", label_,
+                    "] block ", block,
+                    " runs forward a second time in this pass. If this is the recompute of "
+                    "reentrant activation checkpointing, set "
+                    "Options::reentrant_activation_checkpointing = true; otherwise call "
+                    "prepare_block_devices_before_forward() before each pass");
   }
 
   Options options_;
+  std::string label_;
   c10::Device device_;
   std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
   std::unique_ptr<Engine> engine_;
-  std::vector<bool> recompute_; // differentiate by recomputing (Note [trap 1])
-  std::vector<bool> evicted_;   // leaves the device between its forward and its backward
-  std::vector<bool> hooks_;     // has work after its backward
-  std::vector<const std::byte*> forward_data_; // where an evicted block's weights were
-  Trace::Clock::time_point last_mark_;         // the end of the last traced compute
+  std::vector<bool> forwarded_; // computed since the last prepare, outside a recompute pass
+  Trace::Clock::time_point last_mark_;
 };
 
 bool cuda_available() {
@@ -249,10 +236,30 @@ bool cuda_available() {
 #endif
 }
 
+namespace {
+
+// Only blockswap::Error leaves the constructor: LibTorch's own errors (a copy that fails, a
+// device LibTorch lacks) are wrapped with the offloader's label.
+std::shared_ptr<ModelOffloader::Impl>
+make_impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
+          const Options& options) {
+  const std::string label = block_type;
+  try {
+    return std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
+                                                  options);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[", label, "] ModelOffloader could not be built: ", e.what()));
+  }
+}
+
+} // namespace
+
 ModelOffloader::ModelOffloader(std::string block_type,
                                std::vector<std::shared_ptr<torch::nn::Module>> blocks,
                                Options options)
-    : impl_(std::make_shared<Impl>(std::move(block_type), std::move(blocks), options)) {}
+    : impl_(make_impl(std::move(block_type), std::move(blocks), options)) {}
 
 ModelOffloader::ModelOffloader(std::string block_type, const torch::nn::ModuleList& blocks,
                                Options options)
@@ -261,17 +268,28 @@ ModelOffloader::ModelOffloader(std::string block_type, const torch::nn::ModuleLi
 ModelOffloader::~ModelOffloader() = default;
 
 void ModelOffloader::prepare_block_devices_before_forward() {
-  impl_->engine().prepare();
+  impl_->prepare();
 }
 
 void ModelOffloader::wait_for_block(int64_t block_idx) {
-  if (impl_->recompute_pass()) return;
-  impl_->engine().wait_for_block(block_idx);
+  impl_->wait(block_idx);
 }
 
 void ModelOffloader::submit_move_blocks_forward(int64_t block_idx) {
   if (impl_->recompute_pass()) return;
-  impl_->engine().after_forward(block_idx);
+  BLOCKSWAP_CHECK(!impl_->bracketed(), "[", impl_->label(), "] submit_move_blocks_forward(",
+                  block_idx,
+                  ") with grad mode on: without the block's outputs blockswap cannot see its "
+                  "backward, and its weights could be gone by then. To train, use run_block(i, "
+                  "inputs, fn), or submit_move_blocks_forward(i, outputs) and go on with the "
+                  "tensors it returns; for inference, run under torch::NoGradGuard");
+  impl_->move_after_forward(block_idx);
+}
+
+torch::autograd::variable_list
+ModelOffloader::submit_move_blocks_forward(int64_t block_idx,
+                                           const torch::autograd::variable_list& outputs) {
+  return impl_->submit(impl_, block_idx, outputs);
 }
 
 void ModelOffloader::disable_block_swap() {

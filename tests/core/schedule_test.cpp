@@ -120,6 +120,41 @@ TEST(Schedule, InvariantsForEveryShape) {
   }
 }
 
+// Note [exact backward]: the schedule says which slot every block is computed in. Every block
+// is computed in a slot it occupies, no slot holds two blocks, and in training every block's
+// backward runs in the slot its forward ran in, so autograd's saved views of its weights read
+// its own weights and the engine's check before each backward loads nothing.
+TEST(Schedule, EveryBlockIsDifferentiatedInTheSlotOfItsForward) {
+  for (int64_t n = 1; n <= 48; ++n) {
+    for (Mode mode : {Mode::forward_only, Mode::training}) {
+      for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
+        const Schedule s({n, k, mode});
+        std::vector<int64_t> forward_slot(n, -1), occupant(s.slots(), -1);
+        for (int64_t b = 0; b < n; ++b) {
+          if (s.initial_slots()[b] >= 0) occupant[s.initial_slots()[b]] = b;
+        }
+        int64_t backwards = 0;
+        for (const Op& op : s.pass()) {
+          ASSERT_GE(op.slot, 0) << s.describe();
+          ASSERT_LT(op.slot, s.slots()) << s.describe();
+          if (op.kind == Op::Kind::move) {
+            ASSERT_EQ(occupant[op.slot], op.move.out) << s.describe();
+            occupant[op.slot] = op.move.in;
+            continue;
+          }
+          ASSERT_EQ(occupant[op.slot], op.block) << s.describe() << " block " << op.block;
+          if (op.kind == Op::Kind::forward) forward_slot[op.block] = op.slot;
+          if (op.kind == Op::Kind::backward) {
+            ++backwards;
+            EXPECT_EQ(op.slot, forward_slot[op.block]) << s.describe() << " block " << op.block;
+          }
+        }
+        EXPECT_EQ(backwards, mode == Mode::training ? n : 0) << s.describe();
+      }
+    }
+  }
+}
+
 // Note [rotation]: each load hides behind the compute of the blocks between the slot's
 // previous occupant and the block loaded. Spread evenly, that is at least floor(R*N/M) - 1
 // blocks for every load, where a contiguous run of rotating blocks would give R-1.

@@ -7,18 +7,17 @@
 #include <string>
 #include <vector>
 
+#include "blockswap/error.hpp"
+
 namespace blockswap::torch_frontend {
 namespace {
 
 struct Recorder : BackwardEvents {
   std::vector<std::string> events;
-  std::function<void()> on_wait;
-  void wait_for_block(int64_t block) override {
-    events.push_back("wait " + std::to_string(block));
-    if (on_wait) on_wait();
-  }
-  void block_backward_done(int64_t block) override {
-    events.push_back("done " + std::to_string(block));
+  std::function<void()> on_start;
+  void block_backward_starts(int64_t block, const Buffer*) override {
+    events.push_back("starts " + std::to_string(block));
+    if (on_start) on_start();
   }
 };
 
@@ -58,90 +57,78 @@ TEST(BlockAutograd, TrapOneWithoutRecomputeReadsAnotherBlocksWeights) {
       << "saved views followed set_data: trap 1 no longer exists in this LibTorch";
 }
 
-TEST(BlockAutograd, RecomputeReadsTheBlocksCurrentWeights) {
+// The block's slot holds another block when its backward comes; the exit node's callback
+// puts the block back into that very slot before the block's backward reads it.
+TEST(BlockAutograd, ExitNodeRunsBeforeTheBlocksBackward) {
   Scenario s;
-  Slot first(s.w), second(s.w);
+  Slot first(s.w);
   torch::Tensor weight = first.view({8, 8});
-  Recorder events;
-  auto shared = std::shared_ptr<Recorder>(&events, [](Recorder*) {});
-  events.on_wait = [&] { // the block is loaded into another slot just before its backward
-    first.overwrite(s.other);
-    weight.set_data(second.view({8, 8}));
-  };
+  auto events = std::make_shared<Recorder>();
+  events->on_start = [&] { first.overwrite(s.w); };
   torch::Tensor x = s.x.clone().requires_grad_(true);
-  const auto out = run_with_recompute(shared, 4, {x}, [&](const variable_list& in) {
-    return variable_list{torch::linear(in[0], weight)};
+  torch::Tensor y = torch::linear(x, weight);
+  y.register_hook([&](torch::Tensor g) {
+    events->events.push_back("block");
+    return g;
   });
+  const auto out = exit_block(events, 4, nullptr, "block 4", {y});
+  first.overwrite(s.other); // another block takes the slot
   out[0].sum().backward();
   EXPECT_TRUE(torch::equal(x.grad(), s.reference_grad()));
-  EXPECT_EQ(events.events, (std::vector<std::string>{"wait 4", "done 4"}));
+  EXPECT_EQ(events->events, (std::vector<std::string>{"starts 4", "block"}));
 }
 
-TEST(BlockAutograd, RecomputeTrainsAdaptersWhenNoInputRequiresGrad) {
-  torch::manual_seed(5);
-  const torch::Tensor w = torch::randn({8, 8}), x = torch::randn({4, 8});
-  torch::Tensor lora = torch::randn({8, 8}).requires_grad_(true);
-  torch::linear(x, w + lora).pow(2).sum().backward();
-  const torch::Tensor expected = lora.grad().clone();
-  lora.mutable_grad().zero_();
-  Recorder events;
-  auto shared = std::shared_ptr<Recorder>(&events, [](Recorder*) {});
-  const auto out = run_with_recompute(shared, 0, {x}, [&](const variable_list& in) {
-    return variable_list{torch::linear(in[0], w + lora)};
-  });
-  ASSERT_TRUE(out[0].requires_grad());
-  out[0].pow(2).sum().backward();
-  EXPECT_TRUE(torch::equal(lora.grad(), expected));
+// A tensor used inside and outside a block: the exit node does not change how autograd sums
+// its gradients, so they stay bitwise those of the plain model.
+TEST(BlockAutograd, GradientsAreSummedAsWithoutTheNode) {
+  torch::manual_seed(8);
+  const torch::Tensor w = torch::randn({8, 8}) * 3, x0 = torch::randn({4, 8});
+  auto events = std::make_shared<Recorder>();
+  auto run = [&](bool bracketed) {
+    torch::Tensor x = x0.clone().requires_grad_(true);
+    torch::Tensor h = torch::linear(x, w).tanh();
+    if (bracketed) h = exit_block(events, 0, nullptr, "b", {h})[0];
+    torch::Tensor a = torch::linear(h, w).sin(), b = h * 1.7, c = torch::linear(h, w * 0.3);
+    (a.sum() + b.pow(2).sum() + c.cos().sum()).backward();
+    return x.grad();
+  };
+  EXPECT_TRUE(torch::equal(run(false), run(true)));
 }
 
-TEST(BlockAutograd, HookFiresAfterTheBlocksBackward) {
-  torch::manual_seed(6);
-  const torch::Tensor w = torch::randn({8, 8});
-  const torch::Tensor context = torch::randn({4, 8}); // needs no gradient and gets none
+TEST(BlockAutograd, UndefinedAndIntegerTensorsPassThrough) {
+  auto events = std::make_shared<Recorder>();
   torch::Tensor x = torch::randn({4, 8}).requires_grad_(true);
-  Recorder events;
-  auto shared = std::shared_ptr<Recorder>(&events, [](Recorder*) {});
-  torch::Tensor seen_grad;
-  const auto out = run_with_backward_hook(shared, 2, {x, context}, [&](const variable_list& in) {
-    EXPECT_FALSE(in[1].requires_grad());
-    torch::Tensor y = torch::linear(in[0], w) + in[1];
-    y.register_hook([&](torch::Tensor g) {
-      seen_grad = g;
-      events.events.push_back("block");
-    });
-    return variable_list{y};
-  });
+  const torch::Tensor ids = torch::arange(4);
+  const auto out = exit_block(events, 1, nullptr, "block 1", {x * 2, torch::Tensor(), ids});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_FALSE(out[1].defined());
+  EXPECT_TRUE(torch::equal(out[2], ids));
+  EXPECT_FALSE(out[2].requires_grad());
   out[0].sum().backward();
-  EXPECT_EQ(events.events, (std::vector<std::string>{"block", "done 2"}));
-  EXPECT_TRUE(x.grad().defined());
+  EXPECT_TRUE(torch::equal(x.grad(), torch::full({4, 8}, 2.0)));
 }
 
-TEST(BlockAutograd, HookFiresWhenNoInputRequiresGrad) {
-  torch::Tensor lora = torch::randn({8, 8}).requires_grad_(true);
-  Recorder events;
-  auto shared = std::shared_ptr<Recorder>(&events, [](Recorder*) {});
-  const auto out =
-      run_with_backward_hook(shared, 0, {torch::randn({4, 8})}, [&](const variable_list& in) {
-        return variable_list{torch::linear(in[0], lora)};
-      });
-  out[0].sum().backward();
-  EXPECT_EQ(events.events, (std::vector<std::string>{"done 0"}));
-  EXPECT_TRUE(lora.grad().defined());
+TEST(BlockAutograd, NoExitNodeWhenNothingRequiresGrad) {
+  auto events = std::make_shared<Recorder>();
+  const torch::Tensor y = torch::randn({4, 8});
+  const auto out = exit_block(events, 1, nullptr, "block 1", {y});
+  EXPECT_TRUE(out[0].is_same(y));
 }
 
-TEST(BlockAutograd, RecomputeAfterTheOffloaderIsGoneIsAClearError) {
+TEST(BlockAutograd, BackwardAfterTheOffloaderIsGoneIsAClearError) {
   auto events = std::make_shared<Recorder>();
   torch::Tensor lora = torch::randn({8, 8}).requires_grad_(true);
-  const auto out =
-      run_with_recompute(events, 1, {torch::randn({4, 8})}, [lora](const variable_list& in) {
-        return variable_list{torch::linear(in[0], lora)};
-      });
+  const auto out = exit_block(events, 1, nullptr, "[blocks] block 1",
+                              {torch::linear(torch::randn({4, 8}), lora)});
   events.reset();
   try {
     out[0].sum().backward();
     FAIL() << "no error";
-  } catch (const std::exception& e) {
-    EXPECT_NE(std::string(e.what()).find("was destroyed"), std::string::npos) << e.what();
+  } catch (const Error& e) { // autograd keeps the exception's type
+    EXPECT_NE(std::string(e.what()).find("[blocks] block 1's backward runs after its "
+                                         "ModelOffloader was destroyed"),
+              std::string::npos)
+        << e.what();
   }
 }
 
