@@ -1,6 +1,7 @@
 #include "block_packing.hpp"
 
 #include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/nn/module.h>
 
@@ -114,7 +115,13 @@ void BlockBinder::bind(PackedTensor& t, const at::Tensor& data) {
   t.bound_version = t.variable._version();
 }
 
+// Note [inference mode]
+// Blocks move during passes that may run under c10::InferenceMode. A tensor made there is an
+// inference tensor, which autograd refuses to save; the module's tensors must stay normal
+// ones, so every view is made with inference mode off.
+
 void BlockBinder::pack(Engine& engine) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
   // First the copies, which may fail: nothing the caller sees changes until they are done.
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
@@ -157,6 +164,7 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
 }
 
 void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
   at::NoGradGuard no_grad;
   for (PackedTensor& t : layouts_[block].tensors) {
     const bool changed = t.variable.data_ptr() != t.bound_data ||
@@ -171,6 +179,7 @@ void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
 }
 
 void BlockBinder::on_evicted(int64_t block) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
   for (PackedTensor& t : layouts_[block].tensors) {
     if (t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version) {
       save_changes(block, t);
@@ -183,6 +192,7 @@ void BlockBinder::on_evicted(int64_t block) {
 }
 
 void BlockBinder::restore_to_host() {
+  const c10::InferenceMode normal(false); // Note [inference mode]
   for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
     for (PackedTensor& t : layouts_[b].tensors) {
       try {

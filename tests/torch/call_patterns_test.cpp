@@ -489,6 +489,25 @@ TEST(CallPatterns, AFailedConstructorChangesNothing) {
   }
 }
 
+// Note [inference mode] in block_packing.cpp: a sampling pass under InferenceMode in the middle
+// of training leaves the blocks' tensors usable by autograd afterwards.
+TEST(CallPatterns, InferenceModePassesInTheMiddleOfTrainingAreExact) {
+  expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
+                                    ModelOffloader* o) {
+    {
+      c10::InferenceMode inference;
+      if (o) o->set_forward_only(true);
+      prepare(o);
+      run_blocks(m, o, x.detach(), c);
+      if (o) o->set_forward_only(false);
+    }
+    prepare(o);
+    const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
+    loss.backward();
+    return loss;
+  }, "InferenceMode sampling");
+}
+
 TEST(CallPatterns, KOutOfRangeInTrainingIsATrainingError) {
   Model model(kBlocks);
   for (int64_t k : {7, 8, 20}) {
