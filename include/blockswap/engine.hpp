@@ -165,6 +165,7 @@ private:
   void place(int64_t block, int64_t slot);
   int64_t victim_for(int64_t block) const;
   void prefetch_after_backward(int64_t block);
+  void wait_like_the_seed(int64_t slot);
   void move(const Move& move);
   void evict(int64_t block, bool refilled);
   void load(int64_t block, int64_t slot);

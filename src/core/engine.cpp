@@ -313,6 +313,7 @@ void Engine::prefetch_after_backward(int64_t block) {
     const int64_t s = slot_index(blocks_[m.in].computed_in);
     if (blocks_[m.in].slot >= 0 || s < 0) continue;
     const int64_t occupant = slots_[s].block;
+    wait_like_the_seed(s);
     place(m.in, s);
     blocks_[m.in].replaced = occupant;
     ++stats_.moves;
@@ -334,16 +335,19 @@ void Engine::move(const Move& m) {
                        " to ", backend_->name()));
   }
   const int64_t slot = out.slot;
-  if (current().host_waits()) {
-    // The seed synchronises the whole device before each move.
-    SlotState& s = slots_[slot];
-    backend_->record(*s.released, Stream::compute);
-    backend_->synchronize(*s.released);
-  }
+  wait_like_the_seed(slot);
   evict(m.out, true);
   load(m.in, slot);
   blocks_[m.in].replaced = m.out;
   ++stats_.moves;
+}
+
+// The seed replay synchronises the whole device before each move, as the seed does.
+void Engine::wait_like_the_seed(int64_t slot) {
+  if (!current().host_waits()) return;
+  SlotState& s = slots_[slot];
+  backend_->record(*s.released, Stream::compute);
+  backend_->synchronize(*s.released);
 }
 
 // Note [slot reuse]

@@ -186,7 +186,7 @@ public:
   }
 
   void block_backward_starts(int64_t block, const Buffer* slot) override {
-    mark_compute(detail::concat("backward to block ", block + 1));
+    mark_compute(detail::concat("backward of block ", block + 1));
     engine_->acquire_for_backward(block, slot);
   }
 
