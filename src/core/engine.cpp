@@ -166,7 +166,7 @@ void Engine::release_empty_slots() {
       stats_.device_bytes -= slot_bytes_;
       continue;
     }
-    blocks_[slot.block].slot = static_cast<int64_t>(kept.size());
+    if (slot.block >= 0) blocks_[slot.block].slot = static_cast<int64_t>(kept.size());
     kept.push_back(std::move(slot));
   }
   slots_ = std::move(kept);
@@ -478,7 +478,9 @@ std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
   std::lock_guard lock(mutex_);
   check_block(block);
   const BlockState& state = blocks_[block];
-  BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block, " is not ready");
+  BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block,
+                  state.slot >= 0 ? " is still loading: call wait_for_block() before using it"
+                                  : " is not on the device");
   return slots_[state.slot].memory;
 }
 

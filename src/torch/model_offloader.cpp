@@ -160,6 +160,7 @@ public:
 
   // Before a block's forward: its load waited for (or, in the recompute pass, made).
   void wait(int64_t block) {
+    check_index(block);
     if (recompute_pass()) {
       engine_->acquire(block);
       return;
@@ -171,6 +172,7 @@ public:
   // After a block's forward: its outputs bracketed in autograd, its moves.
   torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
                                         const torch::autograd::variable_list& outputs) {
+    check_index(block);
     torch::autograd::variable_list result = outputs;
     if (bracketed()) {
       result = torch_frontend::exit_block(self, block, engine_->device_buffer(block),
@@ -181,7 +183,8 @@ public:
   }
 
   void move_after_forward(int64_t block) {
-    forwarded_.at(block) = true;
+    check_index(block);
+    forwarded_[block] = true;
     engine_->after_forward(block);
   }
 
@@ -191,6 +194,11 @@ public:
   }
 
   const std::string& label() const { return label_; }
+  void check_index(int64_t block) const {
+    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(forwarded_.size()), "[", label_,
+                    "] block index ", block, " is out of range for ", forwarded_.size(),
+                    " blocks");
+  }
 
 private:
   // Backward runs inside autograd: a traced span ends at each bracket and starts at the last.
@@ -205,9 +213,6 @@ private:
   // recompute of reentrant checkpointing without that option, or a second pass without
   // prepare: the moves would follow neither. Both are named.
   void check_first_forward(int64_t block) const {
-    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(forwarded_.size()), "[", label_,
-                    "] block index ", block, " is out of range for ", forwarded_.size(),
-                    " blocks");
     const bool training = options_.supports_backward && !engine_->forward_only();
     BLOCKSWAP_CHECK(!(training && at::GradMode::is_enabled() && forwarded_[block]), "[", label_,
                     "] block ", block,
@@ -276,6 +281,7 @@ void ModelOffloader::wait_for_block(int64_t block_idx) {
 }
 
 void ModelOffloader::submit_move_blocks_forward(int64_t block_idx) {
+  impl_->check_index(block_idx);
   if (impl_->recompute_pass()) return;
   BLOCKSWAP_CHECK(!impl_->bracketed(), "[", impl_->label(), "] submit_move_blocks_forward(",
                   block_idx,

@@ -198,6 +198,30 @@ TEST(Engine, SharedSlotsOutliveTheEngine) {
   EXPECT_EQ(weights[5], FakeModel::value(0, 5)); // readable, not freed (the sanitizers check)
 }
 
+// Slots added while swapping was disabled go at the next prepare, except one still viewed (a
+// pending backward's): it stays, empty, until nothing views it.
+TEST(Engine, ASlotStillViewedIsKeptUntilNothingViewsIt) {
+  const FakeModel model = uniform(6, 256);
+  Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 2, .supports_backward = true});
+  model.fill(engine);
+  engine.disable();
+  engine.prepare();
+  engine.wait_for_block(5);
+  std::shared_ptr<Buffer> viewed = engine.device_buffer(5);
+  const uint64_t all = engine.stats().device_bytes;
+  engine.enable();
+  engine.prepare();
+  EXPECT_EQ(engine.stats().device_bytes, all - engine.slot_bytes());
+  engine.acquire_for_backward(5, viewed.get());
+  EXPECT_EQ(engine.device_buffer(5).get(), viewed.get());
+  EXPECT_EQ(model.compute(engine, 5), 0u);
+  viewed.reset();
+  engine.prepare();
+  engine.prepare();
+  EXPECT_EQ(engine.stats().device_bytes, 4 * engine.slot_bytes());
+  forward(engine, model);
+}
+
 // The recompute pass of checkpointing loads a block that is not on the device.
 TEST(Engine, AcquireLoadsABlockThatIsNotResident) {
   const FakeModel model = uniform(6, 256);

@@ -110,6 +110,9 @@ TEST(CallPatterns, PlainVerbsWithGradModeOnRaise) {
     expect_error([&] { offloader.submit_move_blocks_forward(0); },
                  "submit_move_blocks_forward(0) with grad mode on");
     expect_error([&] { offloader.submit_move_blocks_forward(0); }, "torch::NoGradGuard");
+    expect_error([&] { offloader.submit_move_blocks_forward(8); }, "block index 8 is out of range");
+    expect_error([&] { offloader.submit_move_blocks_forward(-1, {y}); },
+                 "block index -1 is out of range");
     // Nothing moved: the block is still usable and the next pass works.
     EXPECT_TRUE(offloader.is_resident(0));
     torch::NoGradGuard no_grad;
