@@ -61,6 +61,11 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
   std::lock_guard lock(claims().mutex);
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     BLOCKSWAP_CHECK(blocks[b] != nullptr, "[", label, "] block ", b, " is a null module");
+    for (std::size_t earlier = 0; earlier < b; ++earlier) {
+      BLOCKSWAP_CHECK(blocks[earlier] != blocks[b], "[", label, "] block ", b,
+                      " is the same module as block ", earlier,
+                      ": each block must be listed once");
+    }
     BlockLayout& layout = layouts[b];
     auto check = [&](const std::string& name, const at::Tensor& tensor) {
       const std::string why = unusable(tensor, device);
@@ -91,8 +96,11 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
         add(item.key(), item.value());
       }
     }
+    // Buffers are state the forward may update (running statistics), in ways autograd's
+    // version counter does not always see (LibTorch's batch_norm): they stay on the device,
+    // like adapters, and are never packed.
     for (const auto& item : blocks[b]->named_buffers(/*recurse=*/true)) {
-      add(item.key(), item.value());
+      if (item.value().defined()) check(item.key(), item.value());
     }
   }
   return layouts;
@@ -142,14 +150,15 @@ void BlockBinder::pack(Engine& engine) {
 }
 
 // Note [changed tensors]
-// A block's tensors are the caller's too: buffers that the forward updates (running
-// statistics), weights loaded with copy_ or torch::load (which rebinds them with set_), a
-// checkpoint restored while blocks are swapped. Each time blockswap points a tensor somewhere
-// it notes the address and autograd's version counter, which every in-place write bumps; when
-// either differs at the next move, the tensor's current values are copied into the host copy
-// (which is authoritative) before the slot can be reused, and into the slot when the block
-// becomes ready. Such writes cost a synchronous copy of that tensor; frozen weights that
-// nobody writes cost a comparison.
+// A block's weights are the caller's too: weights loaded with copy_ or torch::load (which
+// rebinds them with set_), a checkpoint restored while blocks are swapped. Each time blockswap
+// points a tensor somewhere it notes the address and autograd's version counter, which every
+// in-place write through the tensor bumps; when either differs at the next move, the tensor's
+// current values are copied into the host copy (which is authoritative) before the slot can be
+// reused, and into the slot when the block becomes ready. Such writes cost a synchronous copy
+// of that tensor; frozen weights that nobody writes cost a comparison. Writes that bypass the
+// version counter (through .data() or data_ptr()) cannot be seen: docs/guide.md says so.
+// (Buffers, which forward may update without bumping it, are not packed at all.)
 void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
   const at::Tensor& now = t.variable;
   BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "tensor '",
@@ -160,6 +169,16 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
   if (now.data_ptr() != host.data_ptr()) {
     at::NoGradGuard no_grad;
     host.copy_(now.detach());
+  }
+}
+
+void BlockBinder::check_still_frozen() const {
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    for (const PackedTensor& t : layouts_[b].tensors) {
+      BLOCKSWAP_CHECK(!t.variable.requires_grad(), "parameter '", t.name, "' of block ", b,
+                      " was made trainable after the ModelOffloader was built, which swaps it "
+                      "as a frozen weight: choose which parameters train before building it");
+    }
   }
 }
 

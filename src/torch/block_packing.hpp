@@ -35,11 +35,12 @@ struct BlockLayout {
   std::size_t bytes = 0;
 };
 
-// The frozen parameters (requires_grad false) and the buffers of a block, at 256-byte aligned
-// offsets. Validates every tensor of every block first and changes nothing: throws Error
-// naming the tensor for a null module, a tensor shared with an earlier block or claimed by
+// The frozen parameters (requires_grad false) of a block, at 256-byte aligned offsets.
+// Validates every tensor of every block first and changes nothing: throws Error naming the
+// tensor for a null or repeated module, a tensor shared with an earlier block or claimed by
 // another offloader, and a tensor that is meta, sparse, quantized, not contiguous, or on a
-// device other than the host and `device`. Trainable parameters are checked too.
+// device other than the host and `device`. Trainable parameters and buffers, which stay on
+// the device and are never packed, are checked too.
 std::vector<BlockLayout>
 layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
               const std::string& label, c10::Device device);
@@ -58,6 +59,10 @@ public:
   // Saves what the caller changed, points every packed tensor at its host copy (sharing the
   // buffer, which outlives the engine) and releases the claims. Never throws.
   void restore_to_host();
+
+  // Throws Error naming a packed parameter that was made trainable after packing: its
+  // optimizer's updates would bypass what blockswap can see.
+  void check_still_frozen() const;
 
   void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) override;
   void on_evicted(int64_t block) override;

@@ -60,15 +60,18 @@ std::shared_ptr<Backend> make_backend(const Options& options, c10::Device device
                              ")"));
 }
 
-// Adapters being trained stay on the compute device for good: their device copies, made before
-// anything is changed (the constructor is all or nothing).
+// Adapters being trained and buffers stay on the compute device for good: their device copies,
+// made before anything is changed (the constructor is all or nothing).
 std::vector<std::pair<at::Tensor, at::Tensor>>
-trainable_on(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks, c10::Device device) {
+resident_on(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks, c10::Device device) {
   std::vector<std::pair<at::Tensor, at::Tensor>> moves;
   if (device.is_cpu()) return moves;
   for (const auto& block : blocks) {
     for (auto& p : block->parameters()) {
       if (p.requires_grad() && p.device() != device) moves.emplace_back(p, p.data().to(device));
+    }
+    for (auto& t : block->buffers()) {
+      if (t.defined() && t.device() != device) moves.emplace_back(t, t.data().to(device));
     }
   }
   return moves;
@@ -114,9 +117,9 @@ public:
     engine_options.algorithm = options_.algorithm;
     engine_ =
         std::make_unique<Engine>(make_backend(options_, device_), std::move(bytes), engine_options);
-    auto trainable = trainable_on(blocks_, device_);
+    auto resident = resident_on(blocks_, device_);
     binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
-    for (auto& [parameter, on_device] : trainable) parameter.set_data(on_device);
+    for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
     forwarded_.assign(binder_.layouts().size(), false);
   }
@@ -134,13 +137,18 @@ public:
   Engine& engine() { return *engine_; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
 
-  bool recompute_pass() const {
-    return options_.reentrant_activation_checkpointing && at::GradMode::is_enabled();
+  // The recompute pass of reentrant checkpointing: grad mode on, with that option, for a block
+  // that already ran forward in this pass (a block that has not is computed normally: not
+  // every block need be checkpointed).
+  bool recompute_pass(int64_t block) const {
+    return options_.reentrant_activation_checkpointing && at::GradMode::is_enabled() &&
+           forwarded_[block];
   }
   // Whether a block computed now may be differentiated later, with its weights moved by then.
   bool bracketed() const { return at::GradMode::is_enabled() && blocks_to_swap_ > 0; }
 
   void prepare() {
+    binder_.check_still_frozen();
     engine_->prepare();
     forwarded_.assign(forwarded_.size(), false);
   }
@@ -161,7 +169,7 @@ public:
   // Before a block's forward: its load waited for (or, in the recompute pass, made).
   void wait(int64_t block) {
     check_index(block);
-    if (recompute_pass()) {
+    if (recompute_pass(block)) {
       engine_->acquire(block);
       return;
     }
@@ -173,12 +181,13 @@ public:
   torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
                                         const torch::autograd::variable_list& outputs) {
     check_index(block);
+    if (blocks_to_swap_ > 0) check_no_output_views_weights(block, outputs);
     torch::autograd::variable_list result = outputs;
     if (bracketed()) {
       result = torch_frontend::exit_block(self, block, engine_->device_buffer(block),
                                           detail::concat("[", label_, "] block ", block), outputs);
     }
-    if (!recompute_pass()) move_after_forward(block);
+    if (!recompute_pass(block)) move_after_forward(block);
     return result;
   }
 
@@ -189,11 +198,32 @@ public:
   }
 
   void block_backward_starts(int64_t block, const Buffer* slot) override {
+    // Autograd runs backward with grad mode on only for create_graph: the graph it builds then
+    // saves views of the block's weights that no node of blockswap's brackets.
+    BLOCKSWAP_CHECK(!at::GradMode::is_enabled(), "[", label_, "] block ", block,
+                    ": a backward with create_graph=true (double backward, e.g. a gradient "
+                    "penalty) through swapped blocks is not supported: its second-order graph "
+                    "would read weights that have moved. Use blocks_to_swap = 0 for it");
     mark_compute(detail::concat("backward of block ", block + 1));
     engine_->acquire_for_backward(block, slot);
   }
 
   const std::string& label() const { return label_; }
+  // An output that views the block's slot would read another block once the slot is reused.
+  void check_no_output_views_weights(int64_t block,
+                                     const torch::autograd::variable_list& outputs) const {
+    const std::shared_ptr<Buffer> slot = engine_->device_buffer(block);
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+      const at::Tensor& out = outputs[i];
+      if (!out.defined() || !out.has_storage()) continue;
+      const auto* data = static_cast<const std::byte*>(out.storage().data());
+      BLOCKSWAP_CHECK(data < slot->data() || data >= slot->data() + slot->size(), "[", label_,
+                      "] output ", i, " of block ", block,
+                      " is a view of the block's own weights, which move to make room for other "
+                      "blocks: return a copy (.clone()) instead");
+    }
+  }
+
   void check_index(int64_t block) const {
     BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(forwarded_.size()), "[", label_,
                     "] block index ", block, " is out of range for ", forwarded_.size(),
@@ -254,6 +284,9 @@ make_impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>
                                                   options);
   } catch (const Error&) {
     throw;
+  } catch (const c10::Error& e) {
+    throw Error(detail::concat("[", label, "] ModelOffloader could not be built: ",
+                               e.what_without_backtrace()));
   } catch (const std::exception& e) {
     throw Error(detail::concat("[", label, "] ModelOffloader could not be built: ", e.what()));
   }
@@ -282,7 +315,7 @@ void ModelOffloader::wait_for_block(int64_t block_idx) {
 
 void ModelOffloader::submit_move_blocks_forward(int64_t block_idx) {
   impl_->check_index(block_idx);
-  if (impl_->recompute_pass()) return;
+  if (impl_->recompute_pass(block_idx)) return;
   BLOCKSWAP_CHECK(!impl_->bracketed(), "[", impl_->label(), "] submit_move_blocks_forward(",
                   block_idx,
                   ") with grad mode on: without the block's outputs blockswap cannot see its "

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <optional>
 #include <sstream>
 
 #include "blockswap/error.hpp"
@@ -461,7 +462,9 @@ TEST(CallPatterns, AFailedConstructorChangesNothing) {
       {"sparse", "is not a dense tensor",
        [](TestBlock& b) { b->register_buffer("extra", torch::randn({4}).to_sparse()); }},
       {"not contiguous", "is not contiguous",
-       [](TestBlock& b) { b->register_buffer("extra", torch::randn({4, 4}).t()); }},
+       [](TestBlock& b) {
+         b->register_parameter("extra", torch::randn({4, 4}).t(), /*requires_grad=*/false);
+       }},
   };
   for (const Bad& bad : cases) {
     Model model(kBlocks);
@@ -509,6 +512,152 @@ TEST(CallPatterns, InferenceModePassesInTheMiddleOfTrainingAreExact) {
     loss.backward();
     return loss;
   }, "InferenceMode sampling");
+}
+
+// LibTorch's batch_norm updates running statistics without bumping their version counter:
+// buffers stay on the device, so nothing can drop them. Training, NoGradGuard, InferenceMode.
+struct NormBlockImpl : torch::nn::Module {
+  torch::nn::Linear fc{kDim, kDim};
+  torch::nn::BatchNorm1d norm{kDim};
+  torch::Tensor lora;
+  NormBlockImpl() {
+    register_module("fc", fc);
+    register_module("norm", norm);
+    for (auto& p : parameters()) p.set_requires_grad(false);
+    lora = register_parameter("lora", torch::randn({kDim, kDim}) * 0.01);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return norm(fc(x) + torch::matmul(x, lora)); }
+};
+TORCH_MODULE(NormBlock);
+
+TEST(CallPatterns, BatchNormRunningStatisticsAreKept) {
+  auto make = [] {
+    torch::manual_seed(4);
+    return std::vector<NormBlock>(4);
+  };
+  const torch::Tensor x0 = torch::randn({16, kDim});
+  enum class Mode { grad, no_grad, inference };
+  for (Mode mode : {Mode::grad, Mode::no_grad, Mode::inference}) {
+    auto run = [&](std::vector<NormBlock>& blocks, ModelOffloader* o) {
+      for (int pass = 0; pass < 3; ++pass) {
+        std::optional<torch::NoGradGuard> no_grad;
+        std::optional<c10::InferenceMode> inference;
+        if (mode == Mode::no_grad) no_grad.emplace();
+        if (mode == Mode::inference) inference.emplace();
+        prepare(o);
+        torch::Tensor h = x0;
+        for (int64_t i = 0; i < 4; ++i) {
+          NormBlock block = blocks[i];
+          auto fn = [block](const variable_list& v) mutable {
+            return variable_list{block->forward(v[0])};
+          };
+          h = o ? o->run_block(i, {h}, fn)[0] : fn({h})[0];
+        }
+        if (mode == Mode::grad) h.pow(2).mean().backward();
+      }
+    };
+    std::vector<NormBlock> reference = make(), blocks = make();
+    run(reference, nullptr);
+    for (int64_t k : {1, 2}) {
+      blocks = make();
+      std::vector<std::shared_ptr<torch::nn::Module>> modules;
+      for (auto& b : blocks) modules.push_back(b.ptr());
+      {
+        ModelOffloader offloader("norm", modules, options(k, true));
+        run(blocks, &offloader);
+        for (int64_t i = 0; i < 4; ++i) {
+          expect_bitwise(blocks[i]->norm->running_mean, reference[i]->norm->running_mean,
+                         "running_mean while held, K=" + std::to_string(k));
+        }
+      }
+      for (int64_t i = 0; i < 4; ++i) {
+        expect_bitwise(blocks[i]->norm->running_mean, reference[i]->norm->running_mean,
+                       "running_mean after destruction");
+        expect_bitwise(blocks[i]->norm->running_var, reference[i]->norm->running_var,
+                       "running_var after destruction");
+        expect_bitwise(blocks[i]->norm->num_batches_tracked,
+                       reference[i]->norm->num_batches_tracked, "num_batches_tracked");
+      }
+    }
+  }
+}
+
+// A gradient penalty differentiates the graph that backward builds, which saves views of
+// weights that no bracket covers: it raises at the first backward, before any wrong gradient.
+TEST(CallPatterns, DoubleBackwardRaises) {
+  const Inputs in;
+  Model model(kBlocks);
+  ModelOffloader offloader("blocks", model.modules(), options(3, true));
+  offloader.prepare_block_devices_before_forward();
+  const torch::Tensor loss = forward_run_block(offloader, model, in.x, in.context).pow(2).mean();
+  expect_error(
+      [&] {
+        torch::autograd::grad({loss}, {model.blocks[0]->lora_a}, {}, true, /*create_graph=*/true);
+      },
+      "create_graph=true");
+}
+
+// An output that views the block's weights would read another block after the slot is reused.
+TEST(CallPatterns, OutputsThatViewTheWeightsRaise) {
+  const Inputs in;
+  for (bool training : {false, true}) {
+    Model model(kBlocks);
+    ModelOffloader offloader("blocks", model.modules(), options(3, training));
+    std::optional<torch::NoGradGuard> no_grad;
+    if (!training) no_grad.emplace();
+    offloader.prepare_block_devices_before_forward();
+    TestBlock block = model.blocks[0];
+    expect_error(
+        [&] {
+          offloader.run_block(0, {in.x, in.context}, [block](const variable_list& v) mutable {
+            return variable_list{block->forward(v[0], v[1]), block->fc1->weight.t()};
+          });
+        },
+        "output 1 of block 0 is a view of the block's own weights");
+  }
+}
+
+// Checkpointing only some blocks with reentrant_activation_checkpointing = true: the blocks
+// run with grad mode on are computed normally, the checkpointed ones recomputed.
+TEST(CallPatterns, CheckpointingEveryOtherBlockIsExact) {
+  const Inputs in;
+  Model reference(kBlocks);
+  torch::Tensor xr = in.x.clone().requires_grad_(true);
+  const torch::Tensor expected = reference.forward(xr, in.context).pow(2).mean();
+  expected.backward();
+  for (int64_t k : {1, 3, 6}) {
+    Model model(kBlocks);
+    Options o = options(k, true);
+    o.reentrant_activation_checkpointing = true;
+    ModelOffloader offloader("blocks", model.modules(), o);
+    for (int step = 0; step < 2; ++step) {
+      offloader.prepare_block_devices_before_forward();
+      torch::Tensor x = in.x.clone().requires_grad_(true);
+      torch::Tensor h = x;
+      for (int64_t i = 0; i < kBlocks; ++i) {
+        h = i % 2 == 0 ? Checkpoint::apply(h, in.context, &offloader, i, &model)[0]
+                       : offloader.run_block(i, {h, in.context}, model.fn(i))[0];
+      }
+      const torch::Tensor loss = h.pow(2).mean();
+      loss.backward();
+      const std::string what = "K=" + std::to_string(k) + " step " + std::to_string(step);
+      expect_bitwise(loss, expected, what + " loss");
+      expect_bitwise(x.grad(), xr.grad(), what + " x");
+      for (std::size_t p = 0; p < model.lora().size(); ++p) {
+        expect_bitwise(model.lora()[p].grad(), reference.lora()[p].grad(), what + " lora");
+        model.lora()[p].mutable_grad().zero_();
+      }
+    }
+  }
+}
+
+TEST(CallPatterns, AFrozenWeightMadeTrainableLaterRaises) {
+  Model model(kBlocks);
+  ModelOffloader offloader("blocks", model.modules(), options(3, true));
+  model.blocks[2]->fc1->weight.set_requires_grad(true);
+  expect_error([&] { offloader.prepare_block_devices_before_forward(); },
+               "parameter 'fc1.weight' of block 2 was made trainable after the ModelOffloader "
+               "was built");
 }
 
 TEST(CallPatterns, KOutOfRangeInTrainingIsATrainingError) {

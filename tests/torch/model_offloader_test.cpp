@@ -127,13 +127,13 @@ TEST(ModelOffloader, TrainingStepStats) {
   offloader.reset_stats();
   forward_run_block(offloader, model, in.x, in.context).pow(2).mean().backward();
   const Stats stats = offloader.stats();
-  // One block's packed bytes: every frozen tensor and buffer at a 256-byte aligned offset.
+  // One block's packed bytes: every frozen parameter at a 256-byte aligned offset (buffers stay
+  // on the device).
   std::size_t block_bytes = 0;
   TestBlock fresh;
   for (const auto& t : fresh->parameters()) {
     if (!t.requires_grad()) block_bytes = (block_bytes + 255) / 256 * 256 + t.nbytes();
   }
-  for (const auto& t : fresh->buffers()) block_bytes = (block_bytes + 255) / 256 * 256 + t.nbytes();
   EXPECT_EQ(stats.h2d_bytes, 6 * block_bytes);
   EXPECT_EQ(stats.d2h_bytes, 0u);
   EXPECT_EQ(stats.moves, 6u);
@@ -177,7 +177,13 @@ TEST(ModelOffloader, MisuseRaisesClearErrors) {
       [&] {
         ModelOffloader("blocks", {model.blocks[0].ptr(), model.blocks[0].ptr()}, options(0, false));
       },
-      "is shared with block 0");
+      "block 1 is the same module as block 0");
+  {
+    Model shared(2); // two modules holding one tensor
+    shared.blocks[1]->fc2->register_parameter("tied", shared.blocks[0]->fc2->weight, false);
+    expect_error([&] { ModelOffloader("blocks", shared.modules(), options(0, false)); },
+                 "tensor 'fc2.tied' of block 1 is shared with block 0");
+  }
   Options o = options(3, false);
   o.rotating_slots = 5;
   ModelOffloader offloader("blocks", model.modules(), o);
