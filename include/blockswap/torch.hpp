@@ -24,9 +24,9 @@
 // on a GPU). While a block is on the device its tensors are views of its device slot; while it
 // is not, they are views of its host copy, so reading them (sum(), torch::save) gives their
 // true values, and on a GPU computing with them fails on the device check. Parameters that
-// require grad (adapters being trained) are never packed and never move. Tensors the caller
-// changes in place (buffers updated by forward, weights loaded with copy_ or torch::load) are
-// written back to the host copy, never dropped.
+// require grad (adapters being trained) and buffers (running statistics) are never packed and
+// never move. Weights the caller changes through the tensor (copy_, torch::load) are written
+// back to the host copy, never dropped; writes through .data() or data_ptr() are not seen.
 //
 // Training is exact in any order: before a block's backward runs, its weights are put back
 // where its forward's saved tensors point (loading them if another block took the slot). With
