@@ -465,13 +465,7 @@ bool Engine::is_ready(int64_t block) const {
 }
 
 std::byte* Engine::device_data(int64_t block) const {
-  std::lock_guard lock(mutex_);
-  check_block(block);
-  const BlockState& state = blocks_[block];
-  BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block,
-                  state.slot >= 0 ? " is still loading: call wait_for_block() before using it"
-                                  : " is not on the device");
-  return slots_[state.slot].memory->data();
+  return device_buffer(block)->data();
 }
 
 std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
