@@ -2,9 +2,13 @@
 
 #include <torch/torch.h>
 
+#include <charconv>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
+#include <system_error>
+#include <utility>
 
 #include "blockswap/error.hpp"
 #include "blockswap/safetensors.hpp"
@@ -13,8 +17,12 @@ namespace blockswap::models {
 
 LoraLinearImpl::LoraLinearImpl(int64_t in, int64_t out, int64_t rank) {
   const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-  weight = register_parameter("weight", torch::empty({out, in}).uniform_(-bound, bound), false);
-  bias = register_parameter("bias", torch::empty({out}).uniform_(-bound, bound), false);
+  // torch::nn::init::uniform_ draws what Tensor::uniform_ draws; inlining the latter here makes
+  // GCC warn (-Wmaybe-uninitialized, a false positive) in the sanitized build.
+  weight = register_parameter(
+      "weight", torch::nn::init::uniform_(torch::empty({out, in}), -bound, bound), false);
+  bias = register_parameter("bias", torch::nn::init::uniform_(torch::empty({out}), -bound, bound),
+                            false);
   if (rank > 0) {
     lora_a = register_parameter("lora_a", torch::randn({rank, in}) * bound);
     lora_b = register_parameter("lora_b", torch::randn({out, rank}) * 0.01);
@@ -111,44 +119,149 @@ void ReferenceTransformer::save(const std::string& path) const {
                     {{"format", "blockswap-reference"}, {"heads", std::to_string(config_.heads)}});
 }
 
-ReferenceTransformer ReferenceTransformer::load(const std::string& path) {
-  const SafetensorsHeader header = read_safetensors_header(path);
-  TransformerConfig config;
-  std::set<int64_t> indices;
-  for (const TensorInfo& t : header.tensors) {
-    BLOCKSWAP_CHECK(t.name.rfind("blocks.", 0) == 0, path, ": tensor '", t.name,
-                    "' is not a reference transformer weight (blocks.N.…)");
-    indices.insert(std::stoll(t.name.substr(7)));
-    if (t.name == "blocks.0.norm1.weight") config.hidden = t.shape.at(0);
-    if (t.name == "blocks.0.qkv.lora_a") config.lora_rank = t.shape.at(0);
+namespace {
+
+constexpr const char* kHiddenTensor = "blocks.0.norm1.weight";
+constexpr const char* kRankTensor = "blocks.0.qkv.lora_a";
+
+// A block's tensors: `blocks.{i}.{key}`, i written without leading zeros.
+struct BlockTensorName {
+  int64_t block = 0;
+  std::string key;
+};
+
+BlockTensorName parse_name(const std::string& path, const std::string& name) {
+  BLOCKSWAP_CHECK(name.rfind("blocks.", 0) == 0, path, ": tensor '", name,
+                  "' is not a reference transformer weight (blocks.N.…)");
+  const auto dot = name.find('.', 7);
+  const std::string index = name.substr(7, dot == std::string::npos ? dot : dot - 7);
+  int64_t block = -1;
+  const char* end = index.data() + index.size();
+  const auto [ptr, ec] = std::from_chars(index.data(), end, block);
+  const bool ok = dot != std::string::npos && dot + 1 < name.size() && ec == std::errc() &&
+                  ptr == end && block >= 0 && (index.size() == 1 || index[0] != '0');
+  BLOCKSWAP_CHECK(ok, path, ": tensor '", name, "' has a malformed block index '", index,
+                  "': expected blocks.N.<weight> with N = 0, 1, 2, …");
+  return {block, name.substr(dot + 1)};
+}
+
+// Every tensor of a block, with its shape, for hidden size h and LoRA rank r (0: no adapters).
+std::map<std::string, std::vector<int64_t>> block_shapes(int64_t h, int64_t r) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const char* norm : {"norm1", "norm2"}) {
+    shapes[std::string(norm) + ".weight"] = {h};
+    shapes[std::string(norm) + ".bias"] = {h};
   }
-  BLOCKSWAP_CHECK(!indices.empty() && *indices.rbegin() + 1 == int64_t(indices.size()), path,
-                  ": block indices must run from 0 without gaps");
-  config.blocks = static_cast<int64_t>(indices.size());
-  if (header.metadata.contains("heads")) config.heads = std::stoll(header.metadata.at("heads"));
+  const std::pair<const char*, std::pair<int64_t, int64_t>> linears[] = {
+      {"qkv", {3 * h, h}}, {"proj", {h, h}}, {"fc1", {4 * h, h}}, {"fc2", {h, 4 * h}}};
+  for (const auto& [name, out_in] : linears) {
+    const auto [out, in] = out_in;
+    const std::string prefix = std::string(name) + ".";
+    shapes[prefix + "weight"] = {out, in};
+    shapes[prefix + "bias"] = {out};
+    if (r > 0) {
+      shapes[prefix + "lora_a"] = {r, in};
+      shapes[prefix + "lora_b"] = {out, r};
+    }
+  }
+  return shapes;
+}
+
+const TensorInfo* find_tensor(const SafetensorsHeader& header, const std::string& name) {
+  for (const TensorInfo& t : header.tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+// Reads the configuration from the header and checks every tensor's name, dtype and shape
+// against it, so that nothing is allocated or read for a file that does not describe a model.
+TransformerConfig checked_config(const std::string& path, const SafetensorsHeader& header) {
+  for (const TensorInfo& t : header.tensors) parse_name(path, t.name);
+  TransformerConfig config;
+  const TensorInfo* norm = find_tensor(header, kHiddenTensor);
+  BLOCKSWAP_CHECK(norm != nullptr, path, ": tensor '", kHiddenTensor,
+                  "' is missing (it gives the hidden size)");
+  BLOCKSWAP_CHECK(norm->shape.size() == 1 && norm->shape[0] >= 1, path, ": tensor '", kHiddenTensor,
+                  "' has shape ", c10::IntArrayRef(norm->shape),
+                  ", expected [hidden] (one dimension: the hidden size)");
+  config.hidden = norm->shape[0];
+  // The shapes below multiply it by itself: keep them far from overflowing.
+  constexpr int64_t kMaxHidden = int64_t(1) << 20;
+  BLOCKSWAP_CHECK(config.hidden <= kMaxHidden, path, ": tensor '", kHiddenTensor,
+                  "' gives a hidden size of ", config.hidden, ", more than ", kMaxHidden);
+  if (const TensorInfo* a = find_tensor(header, kRankTensor)) {
+    BLOCKSWAP_CHECK(a->shape.size() == 2 && a->shape[0] >= 1 && a->shape[1] == config.hidden, path,
+                    ": tensor '", kRankTensor, "' has shape ", c10::IntArrayRef(a->shape),
+                    ", expected [rank, ", config.hidden, "]");
+    config.lora_rank = a->shape[0];
+  }
+
+  const auto shapes = block_shapes(config.hidden, config.lora_rank);
+  std::map<int64_t, std::set<std::string>> blocks;
+  for (const TensorInfo& t : header.tensors) {
+    const BlockTensorName name = parse_name(path, t.name);
+    const auto expected = shapes.find(name.key);
+    BLOCKSWAP_CHECK(expected != shapes.end(), path, ": unexpected tensor '", t.name,
+                    "' for a reference transformer of hidden size ", config.hidden,
+                    config.lora_rank > 0 ? " with LoRA adapters" : " without LoRA adapters");
+    BLOCKSWAP_CHECK(t.dtype == "F32" && t.shape == expected->second, path, ": tensor '", t.name,
+                    "' is ", t.dtype, " of shape ", c10::IntArrayRef(t.shape),
+                    ", expected F32 of shape ", c10::IntArrayRef(expected->second));
+    blocks[name.block].insert(name.key);
+  }
+  const int64_t last = blocks.rbegin()->first; // not empty: kHiddenTensor is there
+  BLOCKSWAP_CHECK(last + 1 == int64_t(blocks.size()), path,
+                  ": block indices must run from 0 without gaps, but the file has ", blocks.size(),
+                  " blocks up to blocks.", last);
+  for (const auto& [block, keys] : blocks) {
+    for (const auto& [key, shape] : shapes) {
+      BLOCKSWAP_CHECK(keys.count(key) == 1, path, ": tensor 'blocks.", block, ".", key,
+                      "' is missing");
+    }
+  }
+  config.blocks = last + 1;
+
+  const auto heads = header.metadata.find("heads");
+  if (heads != header.metadata.end()) {
+    const std::string& text = heads->second;
+    const char* end = text.data() + text.size();
+    const auto [ptr, ec] = std::from_chars(text.data(), end, config.heads);
+    BLOCKSWAP_CHECK(!text.empty() && ec == std::errc() && ptr == end && config.heads >= 1, path,
+                    ": metadata 'heads' is '", text, "', expected a positive integer");
+  }
+  BLOCKSWAP_CHECK(config.hidden % config.heads == 0, path, ": ",
+                  heads != header.metadata.end() ? "metadata 'heads' is " : "the default of ",
+                  config.heads,
+                  heads != header.metadata.end() ? "" : " heads (no 'heads' metadata)",
+                  ", which does not divide the hidden size ", config.hidden);
+  return config;
+}
+
+} // namespace
+
+ReferenceTransformer ReferenceTransformer::load(const std::string& path, int64_t adapter_rank) {
+  const SafetensorsHeader header = read_safetensors_header(path);
+  TransformerConfig config = checked_config(path, header);
+  if (config.lora_rank == 0 && adapter_rank > 0) config.lora_rank = adapter_rank; // fresh ones
   ReferenceTransformer model(config);
 
   std::ifstream file(path, std::ios::binary);
   BLOCKSWAP_CHECK(file.is_open(), "cannot open '", path, "'");
-  std::size_t loaded = 0;
+  // named_parameters() returns a dict by value, and find() points into it: keep each alive.
+  std::vector<torch::OrderedDict<std::string, torch::Tensor>> parameters;
+  for (const auto& block : model.blocks_) parameters.push_back(block->named_parameters());
+  torch::NoGradGuard no_grad;
   for (const TensorInfo& t : header.tensors) {
-    const auto dot = t.name.find('.', 7);
-    const int64_t i = std::stoll(t.name.substr(7, dot - 7));
-    const std::string key = t.name.substr(dot + 1);
-    torch::Tensor* target = model.blocks_[i]->named_parameters().find(key);
-    BLOCKSWAP_CHECK(target != nullptr, path, ": unexpected tensor '", t.name, "'");
-    BLOCKSWAP_CHECK(t.dtype == "F32" && t.shape == target->sizes().vec(), path, ": tensor '",
-                    t.name, "' is ", t.dtype, " of shape ", c10::IntArrayRef(t.shape),
-                    ", expected F32 of shape ", target->sizes());
-    torch::NoGradGuard no_grad;
+    const BlockTensorName name = parse_name(path, t.name);
+    torch::Tensor* target = parameters.at(name.block).find(name.key);
+    BLOCKSWAP_ASSERT(target != nullptr && target->sizes() == c10::IntArrayRef(t.shape) &&
+                         target->nbytes() == t.bytes(),
+                     t.name);
     file.seekg(static_cast<std::streamoff>(header.data_offset() + t.begin));
     file.read(static_cast<char*>(target->data_ptr()), static_cast<std::streamsize>(t.bytes()));
     BLOCKSWAP_CHECK(file.good(), path, ": cannot read tensor '", t.name, "'");
-    ++loaded;
   }
-  BLOCKSWAP_CHECK(loaded == model.modules().size() * model.blocks_[0]->parameters().size(), path,
-                  ": ", loaded, " tensors, but the model has ",
-                  model.modules().size() * model.blocks_[0]->parameters().size());
   return model;
 }
 

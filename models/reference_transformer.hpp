@@ -49,9 +49,12 @@ TORCH_MODULE(TransformerBlock);
 class ReferenceTransformer {
 public:
   explicit ReferenceTransformer(TransformerConfig config);
-  // Reads blocks, hidden size, heads and LoRA rank from the file and loads every weight.
-  // Throws blockswap::Error naming a missing, misshaped or non-F32 tensor.
-  static ReferenceTransformer load(const std::string& path);
+  // Reads blocks, hidden size, heads and LoRA rank from the file and loads every weight. Every
+  // tensor's name, dtype and shape is checked before anything is allocated or read: throws
+  // blockswap::Error naming a missing, unexpected, misshaped or non-F32 tensor, a malformed
+  // block index or a malformed `heads` metadata value. A file without adapters gets fresh
+  // (deterministic) adapters of rank `adapter_rank` when it is positive, for training.
+  static ReferenceTransformer load(const std::string& path, int64_t adapter_rank = 0);
   void save(const std::string& path) const;
 
   const TransformerConfig& config() const { return config_; }

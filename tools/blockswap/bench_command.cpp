@@ -17,6 +17,7 @@
 #include "blockswap/planner.hpp"
 #include "commands.hpp"
 #include "progress.hpp"
+#include "validators.hpp"
 #include "workload.hpp"
 
 namespace blockswap::tool {
@@ -97,11 +98,18 @@ void write_plot(const std::string& path, const std::vector<Row>& rows, const std
 
 int bench_command(const BenchArgs& args) {
   BLOCKSWAP_CHECK(args.blocks >= 3, "--blocks must be at least 3, got ", args.blocks);
+  const int64_t heads = std::max<int64_t>(1, args.hidden / 64);
+  BLOCKSWAP_CHECK(args.hidden % heads == 0, "--hidden ", args.hidden,
+                  ": bench uses hidden/64 = ", heads,
+                  " heads, which do not divide it (a multiple of 64 works)");
+  // The sweep takes minutes: output files that cannot be written fail now.
+  if (!args.csv.empty()) check_writable("--csv", args.csv);
+  if (!args.plot.empty()) check_writable("--plot", args.plot);
   at::set_num_threads(1);
   const int steps = args.steps > 0 ? args.steps : (args.quick ? 8 : 20);
   const int64_t n = args.blocks;
 
-  models::TransformerConfig config{n, args.hidden, std::max<int64_t>(1, args.hidden / 64), 8, 0};
+  models::TransformerConfig config{n, args.hidden, heads, 8, 0};
   ReferenceTransformer model(config), swapped(config), seeded(config);
   ReferenceTransformer& plain = model;
   const uint64_t block_bytes = model.frozen_bytes() / uint64_t(n);

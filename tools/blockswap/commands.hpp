@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace blockswap::tool {
@@ -9,7 +10,7 @@ namespace blockswap::tool {
 struct RunArgs {
   std::string mode = "infer"; // infer | train
   int64_t blocks = 8;
-  int64_t swap = -1; // -1: half the blocks
+  std::optional<int64_t> swap; // none: half the blocks, within the valid range
   int64_t hidden = 384;
   int64_t heads = 6;
   int64_t tokens = 256;

@@ -1,19 +1,30 @@
-// The blockswap command-line tool: `blockswap run` and `blockswap plan`.
+// The blockswap command-line tool: `blockswap run`, `blockswap plan` and `blockswap bench`.
+//
+// Every error is one line, "blockswap: error: <what>", and a non-zero exit: the options are
+// checked as they are parsed (validators.hpp), and the commands check the rest before any work.
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "commands.hpp"
+#include "validators.hpp"
 
 namespace {
 
-// Errors are one line: LibTorch appends a C++ backtrace to its messages.
+// LibTorch appends a C++ backtrace to its messages: keep the first line.
 std::string first_line(const char* text) {
   std::string line(text);
   const auto end = line.find('\n');
   return end == std::string::npos ? line : line.substr(0, end);
+}
+
+int fail(const std::string& message) {
+  std::fprintf(stderr, "blockswap: error: %s\n", message.c_str());
+  return 1;
 }
 
 } // namespace
@@ -24,23 +35,49 @@ int main(int argc, char** argv) {
   app.require_subcommand(0, 1);
 
   RunArgs run;
+  int64_t swap = 0;
   CLI::App* run_cmd = app.add_subcommand(
       "run", "Run the reference transformer with and without block swapping and compare");
-  run_cmd->add_option("--mode", run.mode, "infer or train (LoRA)")->capture_default_str();
+  run_cmd
+      ->add_option("--mode", run.mode,
+                   "infer or train (LoRA; with --weights that has no adapters, fresh adapters "
+                   "of --lora-rank are added)")
+      ->capture_default_str();
   run_cmd->add_option("--blocks", run.blocks, "number of transformer blocks")
+      ->check(integer_in<int64_t>(1, 4096))
       ->capture_default_str();
-  run_cmd->add_option("--swap", run.swap, "blocks to swap (default: half of them)");
-  run_cmd->add_option("--hidden", run.hidden, "hidden size")->capture_default_str();
-  run_cmd->add_option("--heads", run.heads, "attention heads")->capture_default_str();
-  run_cmd->add_option("--tokens", run.tokens, "tokens per step")->capture_default_str();
-  run_cmd->add_option("--lora-rank", run.lora_rank, "LoRA rank in training")->capture_default_str();
+  run_cmd
+      ->add_option("--swap", swap,
+                   "blocks to swap, 0 <= K <= N-1 (infer) or N-2 (train); default: half the "
+                   "blocks, at most that")
+      ->check(integer<int64_t>());
+  run_cmd->add_option("--hidden", run.hidden, "hidden size")
+      ->check(integer_in<int64_t>(1, 65536))
+      ->capture_default_str();
+  run_cmd->add_option("--heads", run.heads, "attention heads (must divide --hidden)")
+      ->check(integer_in<int64_t>(1, 65536))
+      ->capture_default_str();
+  run_cmd->add_option("--tokens", run.tokens, "tokens per step")
+      ->check(integer_in<int64_t>(1, 65536))
+      ->capture_default_str();
+  run_cmd->add_option("--lora-rank", run.lora_rank, "LoRA rank in training")
+      ->check(integer_in<int64_t>(1, 4096))
+      ->capture_default_str();
   run_cmd->add_option("--steps", run.steps, "measured steps (after one warm-up)")
+      ->check(integer_in<int>(1, 100000))
       ->capture_default_str();
-  run_cmd->add_option("--device", run.device,
-                      "cpu (the emulated device) or cuda (default: best present)");
-  run_cmd->add_option("--link-gbps", run.link_gbps, "emulated device: host-to-device GB/s")
+  run_cmd
+      ->add_option("--device", run.device,
+                   "cpu (the emulated device) or cuda (default: best present)")
+      ->check(device_name());
+  run_cmd
+      ->add_option("--link-gbps", run.link_gbps,
+                   "emulated device: host-to-device GB/s (0 = unlimited, else at least 0.001)")
+      ->check(link_bandwidth())
       ->capture_default_str();
-  run_cmd->add_option("--threads", run.threads, "compute threads")->capture_default_str();
+  run_cmd->add_option("--threads", run.threads, "compute threads")
+      ->check(integer_in<int>(1, 1024))
+      ->capture_default_str();
   run_cmd->add_option("--weights", run.weights, "load the model from FILE.safetensors");
   run_cmd->add_option("--save-weights", run.save_weights, "write the model to FILE.safetensors");
   run_cmd->add_option("--trace", run.trace,
@@ -65,21 +102,44 @@ int main(int argc, char** argv) {
   bench_cmd->add_flag("--json", bench.json, "print one JSON object");
   bench_cmd->add_option("--csv", bench.csv, "also write the rows to FILE.csv");
   bench_cmd->add_option("--plot", bench.plot, "also write the plot to FILE.svg");
-  bench_cmd->add_option("--link-gbps", bench.link_gbps, "emulated link GB/s")
+  bench_cmd
+      ->add_option("--link-gbps", bench.link_gbps,
+                   "emulated link GB/s (0 = unlimited, else at least 0.001)")
+      ->check(link_bandwidth())
       ->capture_default_str();
-  bench_cmd->add_option("--blocks", bench.blocks, "blocks")->capture_default_str();
-  bench_cmd->add_option("--hidden", bench.hidden, "hidden size")->capture_default_str();
-  bench_cmd->add_option("--steps", bench.steps, "measured steps per point (default 20, 8 quick)");
-  bench_cmd->add_option("--tokens", bench.tokens,
-                        "tokens (default: calibrated so a block's compute takes its copy time)");
+  bench_cmd->add_option("--blocks", bench.blocks, "blocks")
+      ->check(integer_in<int64_t>(3, 4096))
+      ->capture_default_str();
+  bench_cmd
+      ->add_option("--hidden", bench.hidden,
+                   "hidden size (heads: hidden/64; a multiple of 64 works)")
+      ->check(integer_in<int64_t>(64, 65536))
+      ->capture_default_str();
+  bench_cmd->add_option("--steps", bench.steps, "measured steps per point (default 20, 8 quick)")
+      ->check(integer_in<int>(1, 100000));
+  bench_cmd
+      ->add_option("--tokens", bench.tokens,
+                   "tokens (default: calibrated so a block's compute takes its copy time)")
+      ->check(integer_in<int64_t>(1, 65536));
 
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e); // --help
+    std::string message = e.what();
+    for (char& c : message) c = c == '\n' ? ' ' : c;
+    std::fprintf(stderr, "blockswap: error: %s (see --help)\n", message.c_str());
+    return e.get_exit_code();
+  }
+  if (run_cmd->count("--swap") > 0) run.swap = swap;
+
   try {
     if (*plan_cmd) return plan_command(plan);
     if (*bench_cmd) return bench_command(bench);
     return run_command(run); // `blockswap` alone runs the default comparison
+  } catch (const std::bad_alloc&) {
+    return fail("out of host memory: try a smaller --blocks, --hidden or --tokens");
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "blockswap: error: %s\n", first_line(e.what()).c_str());
-    return 1;
+    return fail(first_line(e.what()));
   }
 }

@@ -1,56 +1,132 @@
 // `blockswap run`: the reference transformer with and without block swapping, side by side.
+#include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
-#include <chrono>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <iostream>
+#include <system_error>
 
 #include "blockswap/error.hpp"
 #include "blockswap/model_plan.hpp"
 #include "blockswap/torch.hpp"
 #include "commands.hpp"
 #include "reference_transformer.hpp"
+#include "validators.hpp"
 #include "workload.hpp"
 
 namespace blockswap::tool {
 namespace {
 
-using Clock = std::chrono::steady_clock;
 using models::ReferenceTransformer;
-using torch::autograd::variable_list;
+
+// The device --device names (already one of cpu, cuda, cuda:N), or the best one present.
+c10::Device checked_device(const std::string& name) {
+  if (name.empty()) return cuda_available() ? c10::Device(c10::kCUDA) : c10::Device(c10::kCPU);
+  const c10::Device device(name);
+  if (device.is_cuda()) {
+    BLOCKSWAP_CHECK(cuda_available(), "--device ", name,
+                    ": CUDA is not usable here (no GPU, or blockswap or LibTorch built without "
+                    "CUDA); use --device cpu, the emulated device");
+    const int64_t count = static_cast<int64_t>(torch::cuda::device_count());
+    BLOCKSWAP_CHECK(!device.has_index() || device.index() < count, "--device ", name,
+                    ": this machine has ", count, " CUDA device", count == 1 ? "" : "s");
+  }
+  return device;
+}
+
+// K from --swap, or half the blocks, within 0 <= K <= max_blocks_to_swap(N, mode).
+int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
+  const int64_t max_k = Schedule::max_blocks_to_swap(blocks, mode);
+  if (!args.swap) return std::min(blocks / 2, max_k);
+  const int64_t k = *args.swap;
+  const int64_t kept = mode == Mode::training ? 2 : 1; // blocks that stay on the device
+  const std::string model =
+      args.weights.empty() ? detail::concat("--blocks ", blocks)
+                           : detail::concat("the ", blocks, " blocks of --weights ", args.weights);
+  BLOCKSWAP_CHECK(k >= 0 && k <= max_k, "--swap ", k, " is out of range for ", model, " in ",
+                  args.mode, " mode: expected 0 <= --swap <= ", max_k,
+                  k < 0 ? std::string()
+                        : detail::concat(" (", mode == Mode::training ? "training" : "inference",
+                                         " keeps ", kept, " block", kept == 1 ? "" : "s",
+                                         " on the device: swapping ", k, " needs at least ",
+                                         k + kept, " blocks)"));
+  return k;
+}
+
+// The host memory a run needs, roughly: the two copies of the model (the baseline and the
+// swapped one) and one step's activations. A run that cannot fit fails now, with the sizes,
+// rather than being killed by the operating system halfway.
+void check_host_memory(const RunArgs& args, bool train, bool emulated) {
+  const double h = double(args.hidden), t = double(args.tokens);
+  double model_bytes = 0;
+  std::string what;
+  if (args.weights.empty()) {
+    const double block_floats = 12 * h * h + 13 * h + (train ? 16 * double(args.lora_rank) * h : 0);
+    model_bytes = 2 * double(args.blocks) * block_floats * 4;
+    what = detail::concat("--blocks ", args.blocks, " --hidden ", args.hidden);
+  } else {
+    std::error_code ignored; // a missing file is reported when it is read
+    model_bytes = 2 * double(std::filesystem::file_size(args.weights, ignored));
+    what = detail::concat("--weights ", args.weights);
+  }
+  const double step_floats = 2 * double(args.heads) * t * t + 17 * t * h; // one block's
+  const double activation_bytes = emulated && args.weights.empty()
+                                      ? (train ? double(args.blocks) : 1) * step_floats * 4 * 2
+                                      : 0;
+  const double needed = model_bytes + activation_bytes;
+  const double available = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGESIZE));
+  BLOCKSWAP_CHECK(available <= 0 || needed <= available, what, " --tokens ", args.tokens,
+                  ": the run needs about ", format_bytes(uint64_t(std::min(needed, 1e19))),
+                  " of host memory (two copies of the model and a step's activations), more "
+                  "than this machine's ",
+                  format_bytes(uint64_t(available)));
+}
 
 } // namespace
 
 int run_command(const RunArgs& args) {
   BLOCKSWAP_CHECK(args.mode == "infer" || args.mode == "train",
                   "--mode must be infer or train, got '", args.mode, "'");
+  // The option validators in main.cpp checked each number; here the combinations, all before
+  // any work (a trace path that cannot be written must not cost a whole run).
   BLOCKSWAP_CHECK(args.steps >= 1, "--steps must be at least 1, got ", args.steps);
   BLOCKSWAP_CHECK(args.tokens >= 1, "--tokens must be at least 1, got ", args.tokens);
   BLOCKSWAP_CHECK(args.threads >= 1, "--threads must be at least 1, got ", args.threads);
   const bool train = args.mode == "train";
+  const Mode mode = train ? Mode::training : Mode::forward_only;
+  if (args.weights.empty()) {
+    BLOCKSWAP_CHECK(args.hidden % args.heads == 0, "--hidden ", args.hidden,
+                    " is not divisible by --heads ", args.heads);
+  }
+  const c10::Device device = checked_device(args.device);
+  if (!args.trace.empty()) check_writable("--trace", args.trace);
+  check_host_memory(args, train, device.is_cpu());
   at::set_num_threads(args.threads);
 
-  const std::string device_name =
-      !args.device.empty() ? args.device : (cuda_available() ? "cuda" : "cpu");
-  const c10::Device device(device_name);
-
+  // Training needs adapters: a --weights file without them gets fresh ones of --lora-rank.
   models::TransformerConfig config{args.blocks, args.hidden, args.heads, train ? args.lora_rank : 0,
                                    0};
   auto make_model = [&] {
-    return args.weights.empty() ? ReferenceTransformer(config)
-                                : ReferenceTransformer::load(args.weights);
+    return args.weights.empty()
+               ? ReferenceTransformer(config)
+               : ReferenceTransformer::load(args.weights, train ? args.lora_rank : 0);
   };
   ReferenceTransformer baseline_model = make_model();
-  ReferenceTransformer swapped_model = make_model();
   config = baseline_model.config();
+  const int64_t k = blocks_to_swap(args, config.blocks, mode);
+  ReferenceTransformer swapped_model = make_model();
   if (!args.save_weights.empty()) baseline_model.save(args.save_weights);
   const torch::Tensor input = baseline_model.example_input(1, args.tokens).to(device);
   for (auto& block : baseline_model.blocks()) block->to(device); // the baseline holds it all
 
   Options options;
-  options.blocks_to_swap = args.swap < 0 ? config.blocks / 2 : args.swap;
+  options.blocks_to_swap = k;
   options.supports_backward = train;
   options.device = device;
   options.emulated_link_gbps = args.link_gbps;
@@ -66,8 +142,10 @@ int run_command(const RunArgs& args) {
   const uint64_t steps = static_cast<uint64_t>(args.steps);
   const uint64_t baseline_peak = baseline_model.frozen_bytes();
   const std::string device_text =
-      device.is_cpu() ? detail::concat("emulated device (host memory, link ", args.link_gbps,
-                                       " GB/s, compute on ", args.threads, " thread",
+      device.is_cpu() ? detail::concat("emulated device (host memory, link ",
+                                       args.link_gbps > 0 ? detail::concat(args.link_gbps, " GB/s")
+                                                          : std::string("unlimited"),
+                                       ", compute on ", args.threads, " thread",
                                        args.threads == 1 ? "" : "s", ")")
                       : device.str();
   if (args.json) {
