@@ -159,6 +159,13 @@ void BlockBinder::pack(Engine& engine) {
 // of that tensor; frozen weights that nobody writes cost a comparison. Writes that bypass the
 // version counter (through .data() or data_ptr()) cannot be seen: docs/guide.md says so.
 // (Buffers, which forward may update without bumping it, are not packed at all.)
+namespace {
+// Whether the caller rebound the tensor or wrote it in place since blockswap last bound it.
+bool caller_changed(const PackedTensor& t) {
+  return t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version;
+}
+} // namespace
+
 void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
   const at::Tensor& now = t.variable;
   BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "tensor '",
@@ -186,8 +193,7 @@ void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   at::NoGradGuard no_grad;
   for (PackedTensor& t : layouts_[block].tensors) {
-    const bool changed = t.variable.data_ptr() != t.bound_data ||
-                         t.variable._version() != t.bound_version;
+    const bool changed = caller_changed(t);
     if (changed) save_changes(block, t);
     at::Tensor view = at::from_blob(
         slot->data() + t.offset, t.sizes, [keep = slot](void*) mutable { keep.reset(); },
@@ -200,9 +206,7 @@ void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
 void BlockBinder::on_evicted(int64_t block) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   for (PackedTensor& t : layouts_[block].tensors) {
-    if (t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version) {
-      save_changes(block, t);
-    }
+    if (caller_changed(t)) save_changes(block, t);
   }
   for (PackedTensor& t : layouts_[block].tensors) {
     bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
@@ -215,9 +219,7 @@ void BlockBinder::restore_to_host() {
   for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
     for (PackedTensor& t : layouts_[b].tensors) {
       try {
-        if (t.variable.data_ptr() != t.bound_data || t.variable._version() != t.bound_version) {
-          save_changes(static_cast<int64_t>(b), t);
-        }
+        if (caller_changed(t)) save_changes(static_cast<int64_t>(b), t);
       } catch (const std::exception& e) {
         std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
       }

@@ -181,11 +181,14 @@ public:
   torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
                                         const torch::autograd::variable_list& outputs) {
     check_index(block);
-    if (blocks_to_swap_ > 0) check_no_output_views_weights(block, outputs);
     torch::autograd::variable_list result = outputs;
-    if (bracketed()) {
-      result = torch_frontend::exit_block(self, block, engine_->device_buffer(block),
-                                          detail::concat("[", label_, "] block ", block), outputs);
+    if (blocks_to_swap_ > 0) {
+      std::shared_ptr<Buffer> slot = engine_->device_buffer(block);
+      check_no_output_views_weights(block, *slot, outputs);
+      if (bracketed()) {
+        result = torch_frontend::exit_block(self, block, std::move(slot),
+                                            detail::concat("[", label_, "] block ", block), outputs);
+      }
     }
     if (!recompute_pass(block)) move_after_forward(block);
     return result;
@@ -210,14 +213,13 @@ public:
 
   const std::string& label() const { return label_; }
   // An output that views the block's slot would read another block once the slot is reused.
-  void check_no_output_views_weights(int64_t block,
+  void check_no_output_views_weights(int64_t block, const Buffer& slot,
                                      const torch::autograd::variable_list& outputs) const {
-    const std::shared_ptr<Buffer> slot = engine_->device_buffer(block);
     for (std::size_t i = 0; i < outputs.size(); ++i) {
       const at::Tensor& out = outputs[i];
       if (!out.defined() || !out.has_storage()) continue;
       const auto* data = static_cast<const std::byte*>(out.storage().data());
-      BLOCKSWAP_CHECK(data < slot->data() || data >= slot->data() + slot->size(), "[", label_,
+      BLOCKSWAP_CHECK(data < slot.data() || data >= slot.data() + slot.size(), "[", label_,
                       "] output ", i, " of block ", block,
                       " is a view of the block's own weights, which move to make room for other "
                       "blocks: return a copy (.clone()) instead");
