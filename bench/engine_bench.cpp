@@ -8,8 +8,8 @@
 
 #include <cstring>
 
-#include "blockswap/emulated.hpp"
-#include "blockswap/engine.hpp"
+#include "blockswap/device/emulated.hpp"
+#include "blockswap/core/engine.hpp"
 
 namespace blockswap {
 namespace {

@@ -10,8 +10,8 @@
 #include <system_error>
 #include <utility>
 
-#include "blockswap/error.hpp"
-#include "blockswap/safetensors.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/model_io/safetensors.hpp"
 
 namespace blockswap::models {
 

@@ -47,8 +47,8 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/schedule.hpp"
-#include "blockswap/trace.hpp"
+#include "blockswap/core/schedule.hpp"
+#include "blockswap/core/trace.hpp"
 
 namespace blockswap {
 

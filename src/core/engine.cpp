@@ -1,17 +1,16 @@
-#include "blockswap/engine.hpp"
+#include "blockswap/core/engine.hpp"
 
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 
 namespace blockswap {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-// Slots are rounded up as the planner assumes (planner.hpp), and as cudaMalloc aligns.
-constexpr std::size_t kSlotAlignment = 256;
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -50,9 +49,8 @@ Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_
     block.bytes = block_bytes[i];
     block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
     block.loaded = backend_->make_event();
-    slot_bytes_ = std::max(slot_bytes_, block.bytes);
   }
-  slot_bytes_ = (slot_bytes_ + kSlotAlignment - 1) / kSlotAlignment * kSlotAlignment;
+  slot_bytes_ = layout::slot_bytes(block_bytes);
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
   if (options_.trace) {

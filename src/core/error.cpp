@@ -1,4 +1,4 @@
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::detail {
 

@@ -1,9 +1,10 @@
-#include "blockswap/schedule.hpp"
+#include "blockswap/core/schedule.hpp"
 
 #include <algorithm>
 #include <utility>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 
 namespace blockswap {
 
@@ -33,7 +34,7 @@ Schedule::Schedule(const ScheduleOptions& options)
     : blocks_(options.blocks), blocks_to_swap_(options.blocks_to_swap), mode_(options.mode),
       algorithm_(options.algorithm) {
   check(blocks_, blocks_to_swap_, mode_);
-  slots_ = blocks_ - blocks_to_swap_;
+  slots_ = layout::slot_count(blocks_, blocks_to_swap_);
   initial_slots_.assign(blocks_, -1);
   forward_moves_.resize(blocks_);
   backward_moves_.resize(blocks_);
@@ -50,7 +51,7 @@ Schedule::Schedule(const ScheduleOptions& options)
   if (algorithm_ == Algorithm::seed) {
     rotating_slots_ = max_r;
   } else if (options.rotating_slots == 0) {
-    rotating_slots_ = std::min<int64_t>(2, max_r);
+    rotating_slots_ = layout::default_rotating_slots(blocks_, blocks_to_swap_);
   } else {
     BLOCKSWAP_CHECK(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
                     "rotating_slots R=", options.rotating_slots, " is out of range for N=", blocks_,
@@ -91,7 +92,7 @@ void Schedule::build_forward_only() {
     if (j < rotating_slots_) initial_slots_[order[j]] = j;
     forward_moves_[order[j]].push_back(Move{order[j], order[(j + rotating_slots_) % rotating]});
   }
-  loads_per_pass_ = rotating;
+  loads_per_pass_ = layout::loads_per_pass(blocks_to_swap_, mode_, rotating_slots_);
 }
 
 // The seed's training moves (DESIGN.md section 1). Blocks 0..N-K-1 start in slots 0..N-K-1.
@@ -112,7 +113,7 @@ void Schedule::build_training() {
   for (int64_t p = 1; p <= k; ++p) {
     backward_moves_[n - p - delay].push_back(Move{n - p, k - p});
   }
-  loads_per_pass_ = 2 * k;
+  loads_per_pass_ = layout::loads_per_pass(k, mode_, 0);
 }
 
 std::span<const Move> Schedule::after_forward(int64_t block) const {

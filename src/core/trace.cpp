@@ -1,11 +1,11 @@
-#include "blockswap/trace.hpp"
+#include "blockswap/core/trace.hpp"
 
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <fstream>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 

@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::torch_frontend {
 namespace {

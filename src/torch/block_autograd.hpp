@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "blockswap/backend.hpp"
+#include "blockswap/core/backend.hpp"
 
 namespace blockswap::torch_frontend {
 

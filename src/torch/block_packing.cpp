@@ -11,16 +11,11 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 
 namespace blockswap::torch_frontend {
 namespace {
-
-constexpr std::size_t kAlignment = 256;
-
-std::size_t align(std::size_t offset) {
-  return (offset + kAlignment - 1) / kAlignment * kAlignment;
-}
 
 // Tensors packed by a live offloader, process-wide: a second offloader over the same modules
 // would pack the first one's views.
@@ -84,7 +79,7 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
       BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "[", label,
                       "] tensor '", name, "' of block ", b,
                       " is already managed by another ModelOffloader; destroy that one first");
-      layout.bytes = align(layout.bytes);
+      layout.bytes = blockswap::layout::align_up(layout.bytes);
       layout.tensors.push_back(
           PackedTensor{name, tensor, layout.bytes, tensor.sizes().vec(), tensor.scalar_type()});
       layout.bytes += tensor.numel() * tensor.element_size();

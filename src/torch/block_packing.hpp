@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/engine.hpp"
+#include "blockswap/core/engine.hpp"
 
 namespace torch::nn {
 class Module;
@@ -35,7 +35,7 @@ struct BlockLayout {
   std::size_t bytes = 0;
 };
 
-// The frozen parameters (requires_grad false) of a block, at 256-byte aligned offsets.
+// The frozen parameters (requires_grad false) of a block, at aligned offsets (core/layout.hpp).
 // Validates every tensor of every block first and changes nothing: throws Error naming the
 // tensor for a null or repeated module, a tensor shared with an earlier block or claimed by
 // another offloader, and a tensor that is meta, sparse, quantized, not contiguous, or on a

@@ -4,7 +4,7 @@
 #include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/version.h>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::torch_frontend {
 

@@ -6,14 +6,14 @@
 
 #include "block_autograd.hpp"
 #include "block_packing.hpp"
-#include "blockswap/emulated.hpp"
-#include "blockswap/engine.hpp"
-#include "blockswap/error.hpp"
-#include "blockswap/planner.hpp"
+#include "blockswap/device/emulated.hpp"
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/planner.hpp"
 #include "blockswap/torch.hpp"
 #include "cuda_stream.hpp"
 #if BLOCKSWAP_HAS_CUDA
-#include "blockswap/cuda.hpp"
+#include "blockswap/device/cuda.hpp"
 #endif
 
 namespace blockswap {

@@ -1,4 +1,4 @@
-#include "blockswap/engine.hpp"
+#include "blockswap/core/engine.hpp"
 
 #include <gtest/gtest.h>
 
@@ -7,8 +7,8 @@
 #include <cstring>
 #include <functional>
 
-#include "blockswap/emulated.hpp"
-#include "blockswap/error.hpp"
+#include "blockswap/device/emulated.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

@@ -1,19 +1,13 @@
-#include "blockswap/planner.hpp"
+#include "blockswap/core/planner.hpp"
 
 #include <gtest/gtest.h>
 
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {
-
-TEST(Planner, SlotsAreTheLargestBlockRoundedUp) {
-  const std::vector<std::size_t> blocks{1000, 3000, 2000};
-  EXPECT_EQ(slot_device_bytes(blocks, 0), 3u * 3072);
-  EXPECT_EQ(slot_device_bytes(blocks, 2), 1u * 3072);
-}
 
 TEST(Planner, ChoosesTheSmallestKThatFits) {
   const std::vector<std::size_t> blocks(10, 1024);

@@ -1,10 +1,10 @@
-#include "blockswap/schedule.hpp"
+#include "blockswap/core/schedule.hpp"
 
 #include <gtest/gtest.h>
 
 #include <set>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

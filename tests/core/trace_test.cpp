@@ -1,4 +1,4 @@
-#include "blockswap/trace.hpp"
+#include "blockswap/core/trace.hpp"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

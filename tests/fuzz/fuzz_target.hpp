@@ -7,9 +7,9 @@
 #include <cstdint>
 #include <span>
 
-#include "blockswap/error.hpp"
-#include "blockswap/model_plan.hpp"
-#include "blockswap/safetensors.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/model_io/model_plan.hpp"
+#include "blockswap/model_io/safetensors.hpp"
 
 namespace blockswap::fuzz {
 

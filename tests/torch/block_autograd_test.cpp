@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::torch_frontend {
 namespace {

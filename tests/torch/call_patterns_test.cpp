@@ -7,7 +7,7 @@
 #include <optional>
 #include <sstream>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
 #include "test_model.hpp"
 

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 #include "test_model.hpp"
 
 namespace blockswap {

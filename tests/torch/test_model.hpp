@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
 
 namespace blockswap {

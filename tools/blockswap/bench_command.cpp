@@ -11,10 +11,10 @@
 #include <iostream>
 
 #include "bench_plot.hpp"
-#include "blockswap/emulated.hpp"
-#include "blockswap/error.hpp"
-#include "blockswap/model_plan.hpp"
-#include "blockswap/planner.hpp"
+#include "blockswap/device/emulated.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/model_io/model_plan.hpp"
+#include "blockswap/core/planner.hpp"
 #include "commands.hpp"
 #include "progress.hpp"
 #include "validators.hpp"
@@ -176,7 +176,7 @@ int bench_command(const BenchArgs& args) {
       const Stats stats = swap_offloader.stats();
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
-      row.planned_device_bytes = slot_device_bytes(packed, k);
+      row.planned_device_bytes = layout::slot_device_bytes(packed, k);
       row.t_bound = std::max(row.t_noswap, double(row.h2d_bytes) / (gbps * 1e9));
       rows.push_back(row);
     }

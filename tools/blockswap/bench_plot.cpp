@@ -5,7 +5,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::tool {
 namespace {

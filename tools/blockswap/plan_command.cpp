@@ -4,9 +4,9 @@
 #include <cstdio>
 #include <iostream>
 
-#include "blockswap/error.hpp"
-#include "blockswap/model_plan.hpp"
-#include "blockswap/safetensors.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/model_io/model_plan.hpp"
+#include "blockswap/model_io/safetensors.hpp"
 #include "commands.hpp"
 
 namespace blockswap::tool {

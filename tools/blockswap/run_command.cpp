@@ -12,8 +12,8 @@
 #include <iostream>
 #include <system_error>
 
-#include "blockswap/error.hpp"
-#include "blockswap/model_plan.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/torch.hpp"
 #include "commands.hpp"
 #include "reference_transformer.hpp"

@@ -14,7 +14,7 @@
 #include <string>
 #include <system_error>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::tool {
 

@@ -6,7 +6,7 @@
 #include <chrono>
 #include <cstdio>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 #include "progress.hpp"
 
 namespace blockswap::tool {

@@ -1,4 +1,4 @@
-#include "blockswap/safetensors.hpp"
+#include "blockswap/model_io/safetensors.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -7,7 +7,7 @@
 #include <fstream>
 #include <limits>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

@@ -1,4 +1,4 @@
-#include "blockswap/emulated.hpp"
+#include "blockswap/device/emulated.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -10,17 +10,14 @@
 #include <mutex>
 #include <thread>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 
 namespace blockswap {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-constexpr std::size_t kAlignment = 256; // as cudaMalloc: every tensor dtype is aligned
-
-std::size_t round_up(std::size_t bytes) {
-  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
-}
+using layout::kAlignment; // as cudaMalloc: every tensor dtype is aligned
 
 // One recording of an event: done once the stream reaches it.
 struct Mark {
@@ -187,7 +184,7 @@ std::string EmulatedDevice::name() const {
 }
 
 Buffer EmulatedDevice::allocate_host(std::size_t bytes) {
-  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1));
+  const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
   if (data == nullptr)
     throw Error(detail::concat("cannot allocate ", bytes, " bytes of host memory"));
@@ -195,7 +192,7 @@ Buffer EmulatedDevice::allocate_host(std::size_t bytes) {
 }
 
 Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
-  const std::size_t size = round_up(std::max<std::size_t>(bytes, 1));
+  const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   {
     std::lock_guard lock(state_->mutex);
     const std::size_t capacity = state_->options.capacity_bytes;

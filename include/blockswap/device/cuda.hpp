@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "blockswap/backend.hpp"
+#include "blockswap/core/backend.hpp"
 
 struct CUstream_st; // cudaStream_t is CUstream_st*
 

@@ -1,4 +1,4 @@
-#include "blockswap/emulated.hpp"
+#include "blockswap/device/emulated.hpp"
 
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <numeric>
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

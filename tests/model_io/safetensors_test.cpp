@@ -1,4 +1,4 @@
-#include "blockswap/safetensors.hpp"
+#include "blockswap/model_io/safetensors.hpp"
 
 #include <gtest/gtest.h>
 
@@ -6,7 +6,7 @@
 #include <filesystem>
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "blockswap/backend.hpp"
+#include "blockswap/core/backend.hpp"
 
 namespace blockswap {
 

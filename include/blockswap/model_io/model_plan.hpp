@@ -7,16 +7,11 @@
 #include <string_view>
 #include <vector>
 
-#include "blockswap/safetensors.hpp"
-#include "blockswap/schedule.hpp"
+#include "blockswap/model_io/safetensors.hpp"
+#include "blockswap/model_io/size.hpp"
+#include "blockswap/core/schedule.hpp"
 
 namespace blockswap {
-
-// "12GiB", "1.5 GiB", "12000MB", "12G", "4096": KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB
-// and the one-letter K/M/G/T powers of 1024. Throws Error naming the text otherwise.
-uint64_t parse_size(std::string_view text);
-// "12.00 GiB", "512 B".
-std::string format_bytes(uint64_t bytes);
 
 struct BlockGroup {
   std::string name;                  // the name prefix: "double_blocks", "model.layers"
@@ -36,7 +31,7 @@ ModelLayout group_blocks(const std::vector<TensorInfo>& tensors);
 struct GroupPlan {
   std::string name;
   int64_t blocks = 0;
-  uint64_t block_bytes = 0; // the largest block: the size of each slot (rounded up to 256)
+  uint64_t block_bytes = 0; // the largest block: the size of each slot (core/layout.hpp)
   uint64_t total_bytes = 0;
   int64_t blocks_to_swap = 0;
   uint64_t device_bytes = 0; // its slots

@@ -1,8 +1,8 @@
-#include "blockswap/model_plan.hpp"
+#include "blockswap/model_io/model_plan.hpp"
 
 #include <gtest/gtest.h>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

@@ -1,5 +1,5 @@
 // CudaDevice on a GPU (label gpu): the same contracts as the emulated device's tests.
-#include "blockswap/cuda.hpp"
+#include "blockswap/device/cuda.hpp"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 #include <numeric>
 #include <vector>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap {
 namespace {

@@ -1,9 +1,9 @@
-// BLOCKSWAP_CUDA_CHECK: every CUDA runtime call, checked. Implementer-only (src/backends/cuda).
+// BLOCKSWAP_CUDA_CHECK: every CUDA runtime call, checked. Implementer-only (src/device/cuda).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
-#include "blockswap/error.hpp"
+#include "blockswap/core/error.hpp"
 
 namespace blockswap::detail {
 

@@ -1,4 +1,4 @@
-#include "blockswap/cuda.hpp"
+#include "blockswap/device/cuda.hpp"
 
 #include <cuda_runtime_api.h>
 

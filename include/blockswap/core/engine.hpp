@@ -31,9 +31,9 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/backend.hpp"
-#include "blockswap/schedule.hpp"
-#include "blockswap/trace.hpp"
+#include "blockswap/core/backend.hpp"
+#include "blockswap/core/schedule.hpp"
+#include "blockswap/core/trace.hpp"
 
 namespace blockswap {
 

@@ -1,0 +1,48 @@
+// The planner: how many blocks of each list to swap so that the device weights fit a budget.
+//
+// A model may have several block lists on one device (FLUX: 19 double and 38 single blocks),
+// each with its own offloader. They are planned together: the K for each list such that all
+// their slots fit the budget and the fewest bytes move per step. Sizes are the packed block
+// sizes; slots follow core/layout.hpp, so a plan's device bytes are the bytes the engines
+// allocate.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "blockswap/core/layout.hpp"
+#include "blockswap/core/schedule.hpp"
+
+namespace blockswap {
+
+struct ListPlan {
+  int64_t blocks_to_swap = 0;
+  std::size_t device_bytes = 0; // its slots
+  std::size_t moved_bytes = 0;  // host-to-device bytes per step (training) or pass (inference)
+};
+
+struct SwapPlan {
+  std::vector<ListPlan> lists; // in the order given
+  std::size_t device_bytes = 0; // every list's slots, plus the fixed bytes
+  std::size_t moved_bytes = 0;
+};
+
+// The smallest device budget any plan needs: every list at its largest valid K, plus
+// `fixed_bytes` (weights that never move).
+std::size_t smallest_budget(std::span<const std::vector<std::size_t>> lists, Mode mode,
+                            std::size_t fixed_bytes = 0);
+
+// The K of each list whose slots, plus `fixed_bytes`, fit `budget_bytes` and move the fewest
+// bytes per step; among plans that move as few, the one that uses the most of the budget.
+// Bytes moved per list are the schedule's loads per pass times the list's average block.
+// Throws Error naming the smallest budget that works when none fits, or for an empty list.
+SwapPlan plan_swaps(std::span<const std::vector<std::size_t>> lists, std::size_t budget_bytes,
+                    Mode mode, std::size_t fixed_bytes = 0);
+
+// One list: the smallest valid K whose slots fit `budget_bytes` (plan_swaps for one list).
+int64_t plan_blocks_to_swap(std::span<const std::size_t> block_bytes, std::size_t budget_bytes,
+                            Mode mode);
+
+} // namespace blockswap
