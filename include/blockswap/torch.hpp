@@ -47,43 +47,58 @@
 #include <string>
 #include <vector>
 
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/planner.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
+#include "blockswap/device/device.hpp"
 
 namespace blockswap {
 
-struct Options {
-  int64_t blocks_to_swap = 0; // K; -1 = let the planner choose from device_budget_bytes
-  bool supports_backward = false;
+// The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
+// here -1 lets the planner choose), supports_backward, rotating_slots (forward-only R, 1 <= R
+// <= N-K, K+R blocks load per pass; 0 = layout::default_rotating_slots; N-K is the seed's cyclic
+// scheme), algorithm (Algorithm::seed replays the seed's own moves: the benchmarks' baseline),
+// debug (the seed's lines, to `log` or stderr), trace (every copy and wait, and each block's
+// compute in run_block, for a Chrome trace).
+struct Options : EngineOptions {
   c10::Device device = c10::kCPU; // kCUDA: the GPU; kCPU: the emulated device
   bool reentrant_activation_checkpointing = false;
-  bool debug = false;
-  std::size_t device_budget_bytes = 0; // weights budget for the planner
-  double emulated_link_gbps = 0;       // emulated device: copy bandwidth limit, 0 = unlimited
-  // Forward-only: slots that swapped blocks rotate through (1 <= R <= N-K); K+R blocks load per
-  // pass. 0 = min(2, N-K). N-K reproduces the seed's cyclic scheme (every block, every pass).
-  int64_t rotating_slots = 0;
+  // blocks_to_swap = -1: the weights budget the planner chooses K for. It binds nothing else.
+  std::size_t device_budget_bytes = 0;
+  double emulated_link_gbps = 0; // emulated device: copy bandwidth limit, 0 = unlimited
   // Emulated device only: its memory in bytes (over it is an out-of-memory error); 0 = no limit.
   std::size_t emulated_capacity_bytes = 0;
-  // When set, records every block's compute (run_block) and every copy, for a Chrome trace.
-  std::shared_ptr<Trace> trace = nullptr;
-  // Algorithm::seed replays the seed's own moves (copy back on every eviction, every block
-  // every inference pass, host-blocking waits): the baseline the benchmarks measure against.
-  Algorithm algorithm = Algorithm::blockswap;
   // Tests and debugging on the emulated device: a block's tensors have no elements while it is
   // not ready, so computing with a block that is not on the device fails at once instead of
   // reading its host copy. Reading such tensors gives empty data: not for saving checkpoints.
   bool strict_residency = false;
+  // A device shared with other offloaders (a model's other block lists): one copy stream, one
+  // memory account, one budget (open_device below). When set, the device is this one: leave
+  // `device`, `device_budget_bytes` and the emulated_* fields at their defaults; with
+  // blocks_to_swap = -1 the planner fits what the device's budget has left.
+  std::shared_ptr<Device> shared_device = nullptr;
 };
 
-struct Stats {
-  uint64_t h2d_bytes = 0;
-  uint64_t d2h_bytes = 0;
-  uint64_t moves = 0;
-  double stall_seconds = 0;
-  uint64_t device_bytes = 0;
-  uint64_t peak_device_bytes = 0;
-};
+// A Device for offloaders to share (Options::shared_device): kCPU is the emulated device,
+// kCUDA (or kCUDA with an index) the GPU, computing on torch's current stream. Throws
+// blockswap::Error when this build or this LibTorch cannot use it (LibTorch 1.x with CUDA, a
+// LibTorch without CUDA, no GPU), before anything runs.
+std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options = {});
+
+using BlockList = std::vector<std::shared_ptr<torch::nn::Module>>;
+
+// The packed bytes of each block as an offloader packs them: every frozen parameter at an
+// aligned offset (core/layout.hpp). Validates the blocks as the constructor does.
+std::vector<std::size_t> packed_block_bytes(const BlockList& blocks,
+                                            c10::Device device = c10::kCPU);
+
+// K for each of a model's block lists on one device (FLUX: double and single blocks), so that
+// all their slots fit `budget_bytes` together and the fewest bytes move per step: the search
+// `blockswap plan` runs on a file, here on the live modules. Pass plan.lists[i].blocks_to_swap
+// to list i's offloader.
+SwapPlan plan_block_lists(const std::vector<BlockList>& lists, std::size_t budget_bytes, Mode mode,
+                          c10::Device device = c10::kCPU);
 
 // Whether ModelOffloader can use device kCUDA here: blockswap built with its CUDA backend,
 // LibTorch built with CUDA, and a GPU present.
@@ -99,8 +114,7 @@ public:
   // also for an empty or null block list, K out of range, a budget too small for any K, or
   // device memory that cannot hold the slots. All or nothing: when it throws, every tensor is
   // as it was. Only blockswap::Error escapes.
-  ModelOffloader(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
-                 Options options);
+  ModelOffloader(std::string block_type, BlockList blocks, Options options);
   ModelOffloader(std::string block_type, const torch::nn::ModuleList& blocks, Options options);
   // Waits for copies in flight and leaves every packed parameter and buffer an ordinary host
   // tensor holding its current values. Never throws. A backward that needs the offloader

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <mutex>
+#include <optional>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
@@ -34,12 +36,104 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
 
 } // namespace
 
-Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
-               EngineOptions options)
-    : backend_(std::move(backend)), options_(std::move(options)),
+class Engine::Impl {
+public:
+  Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
+       EngineOptions options, std::string label);
+  ~Impl();
+
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const std::string& label() const { return label_; }
+  std::size_t slot_bytes() const { return slot_bytes_; }
+  std::byte* host_data(int64_t block) const;
+  std::shared_ptr<Buffer> host_buffer(int64_t block) const;
+  std::size_t block_bytes(int64_t block) const;
+
+  void prepare();
+  Entered enter(int64_t block, Compute compute);
+  void leave(int64_t block, Compute compute);
+  bool recomputing(int64_t block, Compute compute) const;
+  void acquire_for_backward(int64_t block, const Buffer* slot);
+  void after_backward(int64_t block);
+
+  void disable();
+  void enable();
+  bool enabled() const;
+  void set_forward_only(bool forward_only);
+  bool forward_only() const;
+  void set_listener(ResidencyListener* listener);
+  bool is_resident(int64_t block) const;
+  bool is_ready(int64_t block) const;
+  std::byte* device_data(int64_t block) const;
+  std::shared_ptr<Buffer> device_buffer(int64_t block) const;
+  void mark_dirty(int64_t block);
+  void synchronize();
+  const Schedule& schedule() const;
+  Stats stats() const;
+  void reset_stats();
+
+private:
+  struct BlockState {
+    std::shared_ptr<Buffer> host;
+    std::size_t bytes = 0;
+    int64_t slot = -1;
+    bool ready = false;
+    bool dirty = false;
+    bool forwarded = false;        // computed since prepare(), outside a recompute pass
+    std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
+    int64_t replaced = -1;         // for debug lines: the block its load evicted
+    Clock::time_point submitted;
+    const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
+  };
+  struct SlotState {
+    std::shared_ptr<Buffer> memory;
+    int64_t block = -1;
+    std::unique_ptr<Event> released; // recorded on the compute stream after its last reader
+  };
+
+  const Schedule& current() const;
+  bool training() const { return options_.supports_backward && !is_forward_only_; }
+  bool recompute_pass(int64_t block, Compute compute) const;
+  void check_block(int64_t block) const;
+  void wait_locked(int64_t block);
+  int64_t slot_index(const Buffer* memory) const;
+  void place(int64_t block, int64_t slot);
+  int64_t victim_for(int64_t block) const;
+  void prefetch_after_backward(int64_t block);
+  void wait_like_the_seed(int64_t slot);
+  void move(const Move& move);
+  void evict(int64_t block, bool refilled);
+  void load(int64_t block, int64_t slot);
+  void mark_ready(int64_t block);
+  void forget_unready_loads();
+  void ensure_slots(int64_t count);
+  void release_empty_slots();
+  void synchronize_locked();
+  void log(const std::string& line) const;
+
+  std::shared_ptr<Backend> backend_;
+  EngineOptions options_;
+  std::string label_;
+  Schedule forward_only_;
+  std::optional<Schedule> training_; // when supports_backward
+  bool is_forward_only_;
+  bool enabled_ = true;
+  std::size_t slot_bytes_ = 0;
+  std::vector<BlockState> blocks_;
+  std::vector<SlotState> slots_;
+  std::unique_ptr<Event> copies_done_;
+  std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
+  ResidencyListener* listener_ = nullptr;
+  Stats stats_;
+  mutable std::mutex mutex_;
+};
+
+Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
+                   EngineOptions options, std::string label)
+    : backend_(std::move(backend)), options_(std::move(options)), label_(std::move(label)),
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
       is_forward_only_(!options_.supports_backward) {
-  BLOCKSWAP_CHECK(backend_ != nullptr, "[", options_.label, "] the engine needs a backend");
+  BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_, "] the engine needs a backend");
   if (options_.supports_backward) {
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
@@ -61,41 +155,41 @@ Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_
   }
 }
 
-Engine::~Engine() {
+Engine::Impl::~Impl() {
   try {
     std::lock_guard lock(mutex_);
     synchronize_locked();
     if (options_.trace) backend_->set_copy_observer(nullptr);
   } catch (const std::exception& e) {
-    log(detail::concat("[", options_.label, "] a copy failed while shutting down: ", e.what()));
+    log(detail::concat("[", label_, "] a copy failed while shutting down: ", e.what()));
   }
 }
 
-const Schedule& Engine::current() const {
+const Schedule& Engine::Impl::current() const {
   return is_forward_only_ ? forward_only_ : *training_;
 }
 
-const Schedule& Engine::schedule() const {
+const Schedule& Engine::Impl::schedule() const {
   std::lock_guard lock(mutex_);
   return current();
 }
 
-void Engine::check_block(int64_t block) const {
-  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", options_.label, "] block index ", block,
+void Engine::Impl::check_block(int64_t block) const {
+  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
                   " is out of range for ", blocks(), " blocks");
 }
 
-std::byte* Engine::host_data(int64_t block) const {
+std::byte* Engine::Impl::host_data(int64_t block) const {
   check_block(block);
   return blocks_[block].host->data();
 }
 
-std::shared_ptr<Buffer> Engine::host_buffer(int64_t block) const {
+std::shared_ptr<Buffer> Engine::Impl::host_buffer(int64_t block) const {
   check_block(block);
   return blocks_[block].host;
 }
 
-std::size_t Engine::block_bytes(int64_t block) const {
+std::size_t Engine::Impl::block_bytes(int64_t block) const {
   check_block(block);
   return blocks_[block].bytes;
 }
@@ -104,7 +198,7 @@ std::size_t Engine::block_bytes(int64_t block) const {
 // Slots are shared: the listener's views of a slot (the front end's tensors, and the views
 // autograd saves of them) own it too. A slot the engine lets go, or outlives, is freed only
 // once nothing views it, so a pending backward never reads freed memory.
-void Engine::ensure_slots(int64_t count) {
+void Engine::Impl::ensure_slots(int64_t count) {
   while (static_cast<int64_t>(slots_.size()) < count) {
     SlotState slot;
     slot.memory = std::make_shared<Buffer>(backend_->allocate_device(slot_bytes_));
@@ -124,7 +218,7 @@ void Engine::ensure_slots(int64_t count) {
 // state it does not wait: the loads the last pass started for this one (forward-only
 // rotation) stay in flight until wait_for_block orders compute after them, so the host never
 // waits here for the previous pass's compute.
-void Engine::prepare() {
+void Engine::Impl::prepare() {
   std::lock_guard lock(mutex_);
   const int64_t n = blocks();
   const std::vector<int64_t>& initial = current().initial_slots();
@@ -146,6 +240,7 @@ void Engine::prepare() {
     placed = true;
   }
   backward_started_.clear(); // a new pass starts
+  for (BlockState& state : blocks_) state.forwarded = false;
   if (!placed) return;
   synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
@@ -157,7 +252,7 @@ void Engine::prepare() {
 // Frees the slots added while swapping was disabled. Called with no copy in flight. A slot that
 // autograd still views (a backward is pending) stays until a later prepare: its block's
 // backward will need it (Note [exact backward]).
-void Engine::release_empty_slots() {
+void Engine::Impl::release_empty_slots() {
   std::vector<SlotState> kept;
   for (SlotState& slot : slots_) {
     if (slot.block < 0 && slot.memory.use_count() == 1) {
@@ -170,20 +265,10 @@ void Engine::release_empty_slots() {
   slots_ = std::move(kept);
 }
 
-void Engine::wait_for_block(int64_t block) {
-  std::lock_guard lock(mutex_);
-  check_block(block);
-  BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", options_.label, "] block ", block,
-                  " is not on the device; this ", current().describe(),
-                  " does not place it there now (call prepare_block_devices_before_forward() "
-                  "before each pass, and wait for blocks in the order they are computed)");
-  wait_locked(block);
-}
-
 // A ready block's load is complete, but the stream that computes now may not be the one that
 // waited for it (the caller can switch the current stream between passes): the wait is
 // enqueued again, which costs a stream-wait on a completed event.
-void Engine::wait_locked(int64_t block) {
+void Engine::Impl::wait_locked(int64_t block) {
   BlockState& state = blocks_[block];
   if (state.ready) {
     if (!current().host_waits()) backend_->wait(Stream::compute, *state.loaded);
@@ -207,33 +292,72 @@ void Engine::wait_locked(int64_t block) {
   }
   mark_ready(block);
   if (options_.debug && state.replaced >= 0) {
-    log(detail::concat("[", options_.label, "] Moved blocks ", state.replaced, " and ", block,
+    log(detail::concat("[", label_, "] Moved blocks ", state.replaced, " and ", block,
                        " in ", format_seconds(seconds_since(state.submitted))));
-    log(detail::concat("[", options_.label, "] Waited for block ", block, ": ",
+    log(detail::concat("[", label_, "] Waited for block ", block, ": ",
                        format_seconds(stalled)));
   }
 }
 
-void Engine::after_forward(int64_t block) {
+// The recompute pass of reentrant checkpointing: differentiable, with that option, for a
+// block that already ran forward in this pass (a block that has not is computed normally: not
+// every block need be checkpointed).
+bool Engine::Impl::recompute_pass(int64_t block, Compute compute) const {
+  return compute.differentiable && compute.reentrant_checkpointing && blocks_[block].forwarded;
+}
+
+bool Engine::Impl::recomputing(int64_t block, Compute compute) const {
   std::lock_guard lock(mutex_);
   check_block(block);
+  return recompute_pass(block, compute);
+}
+
+Entered Engine::Impl::enter(int64_t block, Compute compute) {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  if (recompute_pass(block, compute)) {
+    if (blocks_[block].slot < 0) place(block, victim_for(block));
+    wait_locked(block);
+    return Entered{slots_[blocks_[block].slot].memory, true};
+  }
+  // In training, a differentiable block computed twice between two prepares is either the
+  // recompute of reentrant checkpointing without that option, or a second pass without
+  // prepare: the moves would follow neither. Both are named.
+  BLOCKSWAP_CHECK(!(training() && compute.differentiable && blocks_[block].forwarded), "[",
+                  label_, "] block ", block,
+                  " runs forward a second time in this pass. If this is the recompute of "
+                  "reentrant activation checkpointing, set reentrant_activation_checkpointing = "
+                  "true; otherwise call prepare_block_devices_before_forward() before each pass");
+  BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", label_, "] block ", block,
+                  " is not on the device; this ", current().describe(),
+                  " does not place it there now (call prepare_block_devices_before_forward() "
+                  "before each pass, and wait for blocks in the order they are computed)");
+  wait_locked(block);
+  return Entered{slots_[blocks_[block].slot].memory, false};
+}
+
+void Engine::Impl::leave(int64_t block, Compute compute) {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  if (recompute_pass(block, compute)) return;
   BlockState& state = blocks_[block];
-  BLOCKSWAP_CHECK(state.slot < 0 || state.ready, "[", options_.label, "] block ", block,
+  BLOCKSWAP_CHECK(state.slot < 0 || state.ready, "[", label_, "] block ", block,
                   " was computed before its load was waited for: call wait_for_block(", block,
                   ") before the block's forward");
   if (state.slot >= 0) state.computed_in = slots_[state.slot].memory.get();
+  state.forwarded = true;
   if (!enabled_) return;
   for (const Move& m : current().after_forward(block)) move(m);
 }
 
-void Engine::after_backward(int64_t block) {
+void Engine::Impl::after_backward(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
   if (!enabled_) return;
   for (const Move& m : current().after_backward(block)) move(m);
 }
 
-int64_t Engine::slot_index(const Buffer* memory) const {
+int64_t Engine::Impl::slot_index(const Buffer* memory) const {
   for (std::size_t s = 0; s < slots_.size(); ++s) {
     if (slots_[s].memory.get() == memory) return static_cast<int64_t>(s);
   }
@@ -241,7 +365,7 @@ int64_t Engine::slot_index(const Buffer* memory) const {
 }
 
 // Block `block` into slot `slot`, whatever either holds now. The load is enqueued, not waited.
-void Engine::place(int64_t block, int64_t slot) {
+void Engine::Impl::place(int64_t block, int64_t slot) {
   BlockState& state = blocks_[block];
   if (state.slot == slot) return;
   if (state.slot >= 0) evict(block, false);
@@ -249,18 +373,11 @@ void Engine::place(int64_t block, int64_t slot) {
   load(block, slot);
 }
 
-void Engine::acquire(int64_t block) {
-  std::lock_guard lock(mutex_);
-  check_block(block);
-  if (blocks_[block].slot < 0) place(block, victim_for(block));
-  wait_locked(block);
-}
-
 // A slot for `block`, loaded outside the schedule during backward (the recompute pass of
 // checkpointing goes from the last block to the first): an empty slot, else the slot of a
 // later block (its backward is done), preferring the slot `block` was last computed in, else
 // the slot of the earliest block (its backward comes last).
-int64_t Engine::victim_for(int64_t block) const {
+int64_t Engine::Impl::victim_for(int64_t block) const {
   int64_t chosen = 0;
   auto score = [&](int64_t s) -> int64_t { // higher is better
     const int64_t occupant = slots_[s].block;
@@ -287,7 +404,7 @@ int64_t Engine::victim_for(int64_t block) const {
 // the block on demand, and the backward is still exact. The moves after a backward are
 // prefetches only: a block's backward is known to be over when the next block's starts (the
 // front end sees no other end of it), and its moves run then.
-void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
+void Engine::Impl::acquire_for_backward(int64_t block, const Buffer* slot) {
   std::lock_guard lock(mutex_);
   check_block(block);
   while (!backward_started_.empty() && backward_started_.back() >= block) {
@@ -296,7 +413,7 @@ void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
     if (enabled_) prefetch_after_backward(done);
   }
   const int64_t s = slot_index(slot);
-  BLOCKSWAP_CHECK(s >= 0, "[", options_.label, "] block ", block,
+  BLOCKSWAP_CHECK(s >= 0, "[", label_, "] block ", block,
                   "'s backward needs the device memory its forward ran in, which this offloader "
                   "no longer has");
   place(block, s);
@@ -306,7 +423,7 @@ void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
 
 // Each move of the schedule after `block`'s backward brings its incoming block back into the
 // slot that block was last computed in, unless it is on the device already.
-void Engine::prefetch_after_backward(int64_t block) {
+void Engine::Impl::prefetch_after_backward(int64_t block) {
   for (const Move& m : current().after_backward(block)) {
     const int64_t s = slot_index(blocks_[m.in].computed_in);
     if (blocks_[m.in].slot >= 0 || s < 0) continue;
@@ -318,18 +435,18 @@ void Engine::prefetch_after_backward(int64_t block) {
   }
 }
 
-void Engine::move(const Move& m) {
+void Engine::Impl::move(const Move& m) {
   const BlockState& out = blocks_[m.out];
-  BLOCKSWAP_CHECK(out.slot >= 0, "[", options_.label, "] cannot move block ", m.out,
+  BLOCKSWAP_CHECK(out.slot >= 0, "[", label_, "] cannot move block ", m.out,
                   " off the device: it is not there. Call prepare_block_devices_before_forward() "
                   "before each pass (",
                   current().describe(), ")");
-  BLOCKSWAP_CHECK(blocks_[m.in].slot < 0, "[", options_.label, "] cannot load block ", m.in,
+  BLOCKSWAP_CHECK(blocks_[m.in].slot < 0, "[", label_, "] cannot load block ", m.in,
                   ": it is already on the device. Call prepare_block_devices_before_forward() "
                   "before each pass (",
                   current().describe(), ")");
   if (options_.debug) {
-    log(detail::concat("[", options_.label, "] Move block ", m.out, " to host and block ", m.in,
+    log(detail::concat("[", label_, "] Move block ", m.out, " to host and block ", m.in,
                        " to ", backend_->name()));
   }
   const int64_t slot = out.slot;
@@ -341,7 +458,7 @@ void Engine::move(const Move& m) {
 }
 
 // The seed replay synchronises the whole device before each move, as the seed does.
-void Engine::wait_like_the_seed(int64_t slot) {
+void Engine::Impl::wait_like_the_seed(int64_t slot) {
   if (!current().host_waits()) return;
   SlotState& s = slots_[slot];
   backend_->record(*s.released, Stream::compute);
@@ -353,7 +470,7 @@ void Engine::wait_like_the_seed(int64_t slot) {
 // device. Eviction happens right after the caller has enqueued the block's last computation, so
 // an event recorded on the compute stream now follows every reader, and the copy stream waits
 // for it before the next copy into the slot. The host does not wait.
-void Engine::evict(int64_t block, bool refilled) {
+void Engine::Impl::evict(int64_t block, bool refilled) {
   BlockState& state = blocks_[block];
   SlotState& slot = slots_[state.slot];
   if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
@@ -370,7 +487,7 @@ void Engine::evict(int64_t block, bool refilled) {
   state.ready = false;
 }
 
-void Engine::load(int64_t block, int64_t slot) {
+void Engine::Impl::load(int64_t block, int64_t slot) {
   BlockState& state = blocks_[block];
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
@@ -385,7 +502,7 @@ void Engine::load(int64_t block, int64_t slot) {
   state.submitted = Clock::now();
 }
 
-void Engine::mark_ready(int64_t block) {
+void Engine::Impl::mark_ready(int64_t block) {
   BlockState& state = blocks_[block];
   if (listener_ != nullptr) listener_->on_ready(block, slots_[state.slot].memory);
   state.ready = true;
@@ -393,7 +510,7 @@ void Engine::mark_ready(int64_t block) {
 
 // A copy failed: whatever was loading may hold garbage. Blocks not yet waited for leave the
 // device; their host copies are untouched, so the next prepare() loads them again.
-void Engine::forget_unready_loads() {
+void Engine::Impl::forget_unready_loads() {
   for (auto& state : blocks_) {
     if (state.slot >= 0 && !state.ready) {
       slots_[state.slot].block = -1;
@@ -402,7 +519,7 @@ void Engine::forget_unready_loads() {
   }
 }
 
-void Engine::synchronize_locked() {
+void Engine::Impl::synchronize_locked() {
   backend_->record(*copies_done_, Stream::copy);
   try {
     backend_->synchronize(*copies_done_);
@@ -412,97 +529,139 @@ void Engine::synchronize_locked() {
   }
 }
 
-void Engine::synchronize() {
+void Engine::Impl::synchronize() {
   std::lock_guard lock(mutex_);
   synchronize_locked();
 }
 
-void Engine::disable() {
+void Engine::Impl::disable() {
   std::lock_guard lock(mutex_);
   enabled_ = false;
 }
 
-void Engine::enable() {
+void Engine::Impl::enable() {
   std::lock_guard lock(mutex_);
   enabled_ = true;
 }
 
-bool Engine::enabled() const {
+bool Engine::Impl::enabled() const {
   std::lock_guard lock(mutex_);
   return enabled_;
 }
 
-void Engine::set_forward_only(bool forward_only) {
+void Engine::Impl::set_forward_only(bool forward_only) {
   std::lock_guard lock(mutex_);
-  BLOCKSWAP_CHECK(forward_only || training_.has_value(), "[", options_.label,
+  BLOCKSWAP_CHECK(forward_only || training_.has_value(), "[", label_,
                   "] cannot leave forward-only mode: the engine was built without "
                   "supports_backward");
   is_forward_only_ = forward_only;
 }
 
-bool Engine::forward_only() const {
+bool Engine::Impl::forward_only() const {
   std::lock_guard lock(mutex_);
   return is_forward_only_;
 }
 
-void Engine::set_listener(ResidencyListener* listener) {
+void Engine::Impl::set_listener(ResidencyListener* listener) {
   std::lock_guard lock(mutex_);
   listener_ = listener;
 }
 
-bool Engine::is_resident(int64_t block) const {
+bool Engine::Impl::is_resident(int64_t block) const {
   std::lock_guard lock(mutex_);
   check_block(block);
   return blocks_[block].slot >= 0;
 }
 
-bool Engine::is_ready(int64_t block) const {
+bool Engine::Impl::is_ready(int64_t block) const {
   std::lock_guard lock(mutex_);
   check_block(block);
   return blocks_[block].ready;
 }
 
-std::byte* Engine::device_data(int64_t block) const {
+std::byte* Engine::Impl::device_data(int64_t block) const {
   return device_buffer(block)->data();
 }
 
-std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
+std::shared_ptr<Buffer> Engine::Impl::device_buffer(int64_t block) const {
   std::lock_guard lock(mutex_);
   check_block(block);
   const BlockState& state = blocks_[block];
-  BLOCKSWAP_CHECK(state.ready, "[", options_.label, "] block ", block,
+  BLOCKSWAP_CHECK(state.ready, "[", label_, "] block ", block,
                   state.slot >= 0 ? " is still loading: call wait_for_block() before using it"
                                   : " is not on the device");
   return slots_[state.slot].memory;
 }
 
-void Engine::mark_dirty(int64_t block) {
+void Engine::Impl::mark_dirty(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
-  BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", options_.label, "] block ", block,
+  BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", label_, "] block ", block,
                   " is not on the device, so it cannot have changed there");
   blocks_[block].dirty = true;
 }
 
-EngineStats Engine::stats() const {
+Stats Engine::Impl::stats() const {
   std::lock_guard lock(mutex_);
   return stats_;
 }
 
-void Engine::reset_stats() {
+void Engine::Impl::reset_stats() {
   std::lock_guard lock(mutex_);
   const uint64_t device_bytes = stats_.device_bytes;
-  stats_ = EngineStats{};
+  stats_ = Stats{};
   stats_.device_bytes = device_bytes;
   stats_.peak_device_bytes = device_bytes;
 }
 
-void Engine::log(const std::string& line) const {
+void Engine::Impl::log(const std::string& line) const {
   if (options_.log) {
     options_.log(line);
   } else {
     std::cerr << line << '\n';
   }
 }
+
+// Engine: the public face of Impl.
+
+Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
+               EngineOptions options, std::string label)
+    : impl_(std::make_unique<Impl>(std::move(backend), std::move(block_bytes), std::move(options),
+                                   std::move(label))) {}
+Engine::~Engine() = default;
+
+int64_t Engine::blocks() const { return impl_->blocks(); }
+const std::string& Engine::label() const { return impl_->label(); }
+std::byte* Engine::host_data(int64_t block) const { return impl_->host_data(block); }
+std::shared_ptr<Buffer> Engine::host_buffer(int64_t block) const { return impl_->host_buffer(block); }
+std::size_t Engine::block_bytes(int64_t block) const { return impl_->block_bytes(block); }
+std::size_t Engine::slot_bytes() const { return impl_->slot_bytes(); }
+void Engine::prepare() { impl_->prepare(); }
+Entered Engine::enter(int64_t block, Compute compute) { return impl_->enter(block, compute); }
+void Engine::leave(int64_t block, Compute compute) { impl_->leave(block, compute); }
+bool Engine::recomputing(int64_t block, Compute compute) const {
+  return impl_->recomputing(block, compute);
+}
+void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
+  impl_->acquire_for_backward(block, slot);
+}
+void Engine::after_backward(int64_t block) { impl_->after_backward(block); }
+void Engine::disable() { impl_->disable(); }
+void Engine::enable() { impl_->enable(); }
+bool Engine::enabled() const { return impl_->enabled(); }
+void Engine::set_forward_only(bool forward_only) { impl_->set_forward_only(forward_only); }
+bool Engine::forward_only() const { return impl_->forward_only(); }
+void Engine::set_listener(ResidencyListener* listener) { impl_->set_listener(listener); }
+bool Engine::is_resident(int64_t block) const { return impl_->is_resident(block); }
+bool Engine::is_ready(int64_t block) const { return impl_->is_ready(block); }
+std::byte* Engine::device_data(int64_t block) const { return impl_->device_data(block); }
+std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
+  return impl_->device_buffer(block);
+}
+void Engine::mark_dirty(int64_t block) { impl_->mark_dirty(block); }
+void Engine::synchronize() { impl_->synchronize(); }
+const Schedule& Engine::schedule() const { return impl_->schedule(); }
+Stats Engine::stats() const { return impl_->stats(); }
+void Engine::reset_stats() { impl_->reset_stats(); }
 
 } // namespace blockswap

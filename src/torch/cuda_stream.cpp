@@ -13,6 +13,18 @@ int current_cuda_device() {
   return guard.getDevice().index();
 }
 
+bool cuda_streams_supported() {
+  return TORCH_VERSION_MAJOR >= 2;
+}
+
+void check_cuda_streams() {
+#if TORCH_VERSION_MAJOR < 2
+  throw Error(detail::concat("blockswap on CUDA needs LibTorch 2.x (to follow torch's current "
+                             "stream); this is LibTorch ",
+                             TORCH_VERSION));
+#endif
+}
+
 CUstream_st* current_cuda_stream(int device) {
 #if TORCH_VERSION_MAJOR >= 2
   // Stream::native_handle asks the CUDA guard registered in libc10 for the cudaStream_t.

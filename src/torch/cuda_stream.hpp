@@ -9,6 +9,10 @@ namespace blockswap::torch_frontend {
 
 // The device index torch considers current.
 int current_cuda_device();
+// Whether this LibTorch can tell blockswap its current CUDA stream (LibTorch 2.x).
+bool cuda_streams_supported();
+// Throws Error unless this LibTorch can tell blockswap its current CUDA stream (LibTorch 2.x).
+void check_cuda_streams();
 // The stream torch computes on now on `device` (the raw cudaStream_t). Needs LibTorch 2.x.
 CUstream_st* current_cuda_stream(int device);
 

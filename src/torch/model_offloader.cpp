@@ -6,15 +6,9 @@
 
 #include "block_autograd.hpp"
 #include "block_packing.hpp"
-#include "blockswap/device/emulated.hpp"
-#include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
-#include "blockswap/core/planner.hpp"
 #include "blockswap/torch.hpp"
 #include "cuda_stream.hpp"
-#if BLOCKSWAP_HAS_CUDA
-#include "blockswap/device/cuda.hpp"
-#endif
 
 namespace blockswap {
 
@@ -23,47 +17,38 @@ using torch_frontend::BlockLayout;
 
 namespace {
 
-// The device the options name, with its index resolved ("cuda" means the current one).
-c10::Device resolve_device(const Options& options) {
-  if (options.device.is_cuda() && !options.device.has_index()) {
-    return c10::Device(c10::kCUDA,
-                       static_cast<c10::DeviceIndex>(torch_frontend::current_cuda_device()));
-  }
-  return options.device;
+// The torch device a blockswap Device computes on: kCPU for the emulated device.
+c10::Device torch_device(const Device& device) {
+  if (!device.is_cuda()) return c10::kCPU;
+  const std::string name = device.name(); // "cuda:N"
+  return c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(std::stoi(name.substr(5))));
 }
 
-std::shared_ptr<Backend> make_backend(const Options& options, c10::Device device) {
-  if (device.is_cpu()) {
-    EmulatedDeviceOptions emulated;
-    emulated.link_gbps = options.emulated_link_gbps;
-    if (options.emulated_capacity_bytes > 0)
-      emulated.capacity_bytes = options.emulated_capacity_bytes;
-    return std::make_shared<EmulatedDevice>(emulated);
+// The offloader's device: the shared one, else one of its own made from the options.
+std::shared_ptr<Device> device_for(const std::string& label, const Options& options) {
+  if (!options.shared_device) {
+    DeviceOptions own;
+    own.emulated_link_gbps = options.emulated_link_gbps;
+    own.emulated_capacity_bytes = options.emulated_capacity_bytes;
+    return open_device(options.device, own);
   }
-#if BLOCKSWAP_HAS_CUDA
-  if (device.is_cuda()) {
-    CudaDeviceOptions cuda;
-    cuda.device = device.index();
-    cuda.compute_stream = [index = cuda.device] {
-      return torch_frontend::current_cuda_stream(index);
-    };
-    return std::make_shared<CudaDevice>(cuda);
-  }
-#endif
-  throw Error(detail::concat("device ", device.str(),
-                             " is not supported by this build of blockswap (",
-#if BLOCKSWAP_HAS_CUDA
-                             "devices: cpu = the emulated device, cuda"
-#else
-                             "built without CUDA; devices: cpu = the emulated device"
-#endif
-                             ")"));
+  const Device& shared = *options.shared_device;
+  const c10::Device device = torch_device(shared);
+  BLOCKSWAP_CHECK(options.device == c10::Device(c10::kCPU) || options.device.type() == device.type(),
+                  "[", label, "] Options::device is ", options.device.str(),
+                  " but Options::shared_device is ", shared.name(),
+                  ": leave Options::device at its default when sharing a device");
+  BLOCKSWAP_CHECK(options.device_budget_bytes == 0 && options.emulated_link_gbps == 0 &&
+                      options.emulated_capacity_bytes == 0,
+                  "[", label, "] with Options::shared_device, the budget, link and capacity are "
+                  "the device's: set them in DeviceOptions when opening it, not in Options");
+  return options.shared_device;
 }
 
 // Adapters being trained and buffers stay on the compute device for good: their device copies,
 // made before anything is changed (the constructor is all or nothing).
 std::vector<std::pair<at::Tensor, at::Tensor>>
-resident_on(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks, c10::Device device) {
+resident_on(const BlockList& blocks, c10::Device device) {
   std::vector<std::pair<at::Tensor, at::Tensor>> moves;
   if (device.is_cpu()) return moves;
   for (const auto& block : blocks) {
@@ -77,19 +62,24 @@ resident_on(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks, c10::
   return moves;
 }
 
-int64_t choose_blocks_to_swap(const Options& options, const std::vector<BlockLayout>& layouts) {
+int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
+                              const Device& device, const std::vector<BlockLayout>& layouts) {
   if (options.blocks_to_swap != -1) return options.blocks_to_swap;
-  BLOCKSWAP_CHECK(options.device_budget_bytes > 0,
-                  "blocks_to_swap = -1 asks the planner to choose K, which needs "
-                  "device_budget_bytes > 0");
+  const std::size_t budget = options.shared_device
+                                 ? (device.budget_bytes() > 0 ? device.available_bytes() : 0)
+                                 : options.device_budget_bytes;
+  BLOCKSWAP_CHECK(budget > 0, "[", label,
+                  "] blocks_to_swap = -1 asks the planner to choose K, which needs a budget: "
+                  "Options::device_budget_bytes, or DeviceOptions::budget_bytes of the shared "
+                  "device (with budget left)");
   std::vector<std::size_t> bytes;
   for (const auto& layout : layouts) bytes.push_back(layout.bytes);
-  return plan_blocks_to_swap(bytes, options.device_budget_bytes,
+  return plan_blocks_to_swap(bytes, budget,
                              options.supports_backward ? Mode::training : Mode::forward_only);
 }
 
 std::vector<BlockLayout> checked_layouts(const std::string& label,
-                                         const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
+                                         const BlockList& blocks,
                                          c10::Device device) {
   BLOCKSWAP_CHECK(!blocks.empty(), "[", label, "] ModelOffloader needs at least one block");
   return torch_frontend::layout_blocks(blocks, label, device);
@@ -99,29 +89,24 @@ std::vector<BlockLayout> checked_layouts(const std::string& label,
 
 class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
-  Impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
-       Options options)
-      : options_(options), label_(std::move(block_type)), device_(resolve_device(options)),
-        blocks_(std::move(blocks)), binder_(checked_layouts(label_, blocks_, device_), device_,
-                                            options.strict_residency) {
-    blocks_to_swap_ = choose_blocks_to_swap(options_, binder_.layouts());
+  Impl(std::string block_type, BlockList blocks, Options options)
+      : options_(std::move(options)), label_(std::move(block_type)),
+        device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
+        blocks_(std::move(blocks)),
+        binder_(checked_layouts(label_, blocks_, torch_device_), torch_device_,
+                options_.strict_residency) {
+    EngineOptions engine_options = options_;
+    engine_options.blocks_to_swap = choose_blocks_to_swap(label_, options_, *device_,
+                                                          binder_.layouts());
+    blocks_to_swap_ = engine_options.blocks_to_swap;
     std::vector<std::size_t> bytes;
     for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
-    EngineOptions engine_options;
-    engine_options.label = label_;
-    engine_options.blocks_to_swap = blocks_to_swap_;
-    engine_options.supports_backward = options_.supports_backward;
-    engine_options.rotating_slots = options_.rotating_slots;
-    engine_options.debug = options_.debug;
-    engine_options.trace = options_.trace;
-    engine_options.algorithm = options_.algorithm;
-    engine_ =
-        std::make_unique<Engine>(make_backend(options_, device_), std::move(bytes), engine_options);
-    auto resident = resident_on(blocks_, device_);
+    engine_ = std::make_unique<Engine>(device_->attach(label_), std::move(bytes),
+                                       std::move(engine_options), label_);
+    auto resident = resident_on(blocks_, torch_device_);
     binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
     for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
-    forwarded_.assign(binder_.layouts().size(), false);
   }
 
   ~Impl() override {
@@ -137,12 +122,9 @@ public:
   Engine& engine() { return *engine_; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
 
-  // The recompute pass of reentrant checkpointing: grad mode on, with that option, for a block
-  // that already ran forward in this pass (a block that has not is computed normally: not
-  // every block need be checkpointed).
-  bool recompute_pass(int64_t block) const {
-    return options_.reentrant_activation_checkpointing && at::GradMode::is_enabled() &&
-           forwarded_[block];
+  // What the engine is told of each block's computation.
+  Compute compute() const {
+    return Compute{at::GradMode::is_enabled(), options_.reentrant_activation_checkpointing};
   }
   // Whether a block computed now may be differentiated later, with its weights moved by then.
   bool bracketed() const { return at::GradMode::is_enabled() && blocks_to_swap_ > 0; }
@@ -150,54 +132,55 @@ public:
   void prepare() {
     binder_.check_still_frozen();
     engine_->prepare();
-    forwarded_.assign(forwarded_.size(), false);
   }
 
+  // One engine call before the block, one after (Engine::enter, Engine::leave).
   torch::autograd::variable_list run_block(const std::shared_ptr<Impl>& self, int64_t block,
                                            const torch::autograd::variable_list& inputs,
                                            const BlockFn& fn) {
-    wait(block);
+    Entered entered = wait(block);
     const auto start = Trace::Clock::now();
     const auto outputs = fn(inputs);
     if (options_.trace) {
       last_mark_ = Trace::Clock::now();
       options_.trace->add(detail::concat("forward ", block), Track::compute, start, last_mark_);
     }
-    return submit(self, block, outputs);
+    return submit(self, block, outputs, std::move(entered.slot));
   }
 
   // Before a block's forward: its load waited for (or, in the recompute pass, made).
-  void wait(int64_t block) {
-    check_index(block);
-    if (recompute_pass(block)) {
-      engine_->acquire(block);
-      return;
-    }
-    check_first_forward(block);
-    engine_->wait_for_block(block);
-  }
+  Entered wait(int64_t block) { return engine_->enter(block, compute()); }
 
-  // After a block's forward: its outputs bracketed in autograd, its moves.
+  // After a block's forward: its outputs bracketed in autograd, its moves. `slot` is where it
+  // ran, when the caller knows.
   torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
-                                        const torch::autograd::variable_list& outputs) {
-    check_index(block);
+                                        const torch::autograd::variable_list& outputs,
+                                        std::shared_ptr<Buffer> slot = nullptr) {
     torch::autograd::variable_list result = outputs;
     if (blocks_to_swap_ > 0) {
-      std::shared_ptr<Buffer> slot = engine_->device_buffer(block);
+      if (!slot) slot = engine_->device_buffer(block);
       check_no_output_views_weights(block, *slot, outputs);
       if (bracketed()) {
         result = torch_frontend::exit_block(self, block, std::move(slot),
                                             detail::concat("[", label_, "] block ", block), outputs);
       }
     }
-    if (!recompute_pass(block)) move_after_forward(block);
+    engine_->leave(block, compute());
     return result;
   }
 
-  void move_after_forward(int64_t block) {
-    check_index(block);
-    forwarded_[block] = true;
-    engine_->after_forward(block);
+  // The plain verb: without the outputs, a block that autograd may differentiate cannot be
+  // bracketed, unless this is the recompute pass (its backward follows at once).
+  void submit_without_outputs(int64_t block) {
+    if (bracketed() && !engine_->recomputing(block, compute())) {
+      throw Error(detail::concat(
+          "[", label_, "] submit_move_blocks_forward(", block,
+          ") with grad mode on: without the block's outputs blockswap cannot see its backward, "
+          "and its weights could be gone by then. To train, use run_block(i, inputs, fn), or "
+          "submit_move_blocks_forward(i, outputs) and go on with the tensors it returns; for "
+          "inference, run under torch::NoGradGuard"));
+    }
+    engine_->leave(block, compute());
   }
 
   void block_backward_starts(int64_t block, const Buffer* slot) override {
@@ -226,12 +209,6 @@ public:
     }
   }
 
-  void check_index(int64_t block) const {
-    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(forwarded_.size()), "[", label_,
-                    "] block index ", block, " is out of range for ", forwarded_.size(),
-                    " blocks");
-  }
-
 private:
   // Backward runs inside autograd: a traced span ends at each bracket and starts at the last.
   void mark_compute(const std::string& what) {
@@ -241,36 +218,52 @@ private:
     last_mark_ = now;
   }
 
-  // In training, a block computed twice with grad mode on between two prepares is either the
-  // recompute of reentrant checkpointing without that option, or a second pass without
-  // prepare: the moves would follow neither. Both are named.
-  void check_first_forward(int64_t block) const {
-    const bool training = options_.supports_backward && !engine_->forward_only();
-    BLOCKSWAP_CHECK(!(training && at::GradMode::is_enabled() && forwarded_[block]), "[", label_,
-                    "] block ", block,
-                    " runs forward a second time in this pass. If this is the recompute of "
-                    "reentrant activation checkpointing, set "
-                    "Options::reentrant_activation_checkpointing = true; otherwise call "
-                    "prepare_block_devices_before_forward() before each pass");
-  }
-
   Options options_;
   std::string label_;
-  c10::Device device_;
-  std::vector<std::shared_ptr<torch::nn::Module>> blocks_;
+  std::shared_ptr<Device> device_;
+  c10::Device torch_device_;
+  BlockList blocks_;
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
   std::unique_ptr<Engine> engine_;
-  std::vector<bool> forwarded_; // computed since the last prepare, outside a recompute pass
   Trace::Clock::time_point last_mark_;
 };
 
 bool cuda_available() {
-#if BLOCKSWAP_HAS_CUDA
-  return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) && CudaDevice::available();
-#else
-  return false;
-#endif
+  return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) &&
+         torch_frontend::cuda_streams_supported() && Device::present("cuda");
+}
+
+std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
+  if (device.is_cpu()) return Device::open("emulated", std::move(options));
+  if (device.is_cuda()) {
+    // Checked here, so that a LibTorch without what the CUDA path needs fails before any pass.
+    BLOCKSWAP_CHECK(c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ",
+                    device.str(), ": this LibTorch was built without CUDA");
+    torch_frontend::check_cuda_streams();
+    const int index = device.has_index() ? device.index() : torch_frontend::current_cuda_device();
+    if (!options.compute_stream) {
+      options.compute_stream = [index] { return torch_frontend::current_cuda_stream(index); };
+    }
+    return Device::open(detail::concat("cuda:", index), std::move(options));
+  }
+  throw Error(detail::concat("device ", device.str(),
+                             " is not one blockswap runs on: cpu (the emulated device) or cuda"));
+}
+
+std::vector<std::size_t> packed_block_bytes(const BlockList& blocks, c10::Device device) {
+  std::vector<std::size_t> bytes;
+  for (const BlockLayout& layout : checked_layouts("blocks", blocks, device)) {
+    bytes.push_back(layout.bytes);
+  }
+  return bytes;
+}
+
+SwapPlan plan_block_lists(const std::vector<BlockList>& lists, std::size_t budget_bytes, Mode mode,
+                          c10::Device device) {
+  std::vector<std::vector<std::size_t>> bytes;
+  for (const BlockList& list : lists) bytes.push_back(packed_block_bytes(list, device));
+  return plan_swaps(bytes, budget_bytes, mode);
 }
 
 namespace {
@@ -278,7 +271,7 @@ namespace {
 // Only blockswap::Error leaves the constructor: LibTorch's own errors (a copy that fails, a
 // device LibTorch lacks) are wrapped with the offloader's label.
 std::shared_ptr<ModelOffloader::Impl>
-make_impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>> blocks,
+make_impl(std::string block_type, BlockList blocks,
           const Options& options) {
   const std::string label = block_type;
   try {
@@ -297,7 +290,7 @@ make_impl(std::string block_type, std::vector<std::shared_ptr<torch::nn::Module>
 } // namespace
 
 ModelOffloader::ModelOffloader(std::string block_type,
-                               std::vector<std::shared_ptr<torch::nn::Module>> blocks,
+                               BlockList blocks,
                                Options options)
     : impl_(make_impl(std::move(block_type), std::move(blocks), options)) {}
 
@@ -316,15 +309,7 @@ void ModelOffloader::wait_for_block(int64_t block_idx) {
 }
 
 void ModelOffloader::submit_move_blocks_forward(int64_t block_idx) {
-  impl_->check_index(block_idx);
-  if (impl_->recompute_pass(block_idx)) return;
-  BLOCKSWAP_CHECK(!impl_->bracketed(), "[", impl_->label(), "] submit_move_blocks_forward(",
-                  block_idx,
-                  ") with grad mode on: without the block's outputs blockswap cannot see its "
-                  "backward, and its weights could be gone by then. To train, use run_block(i, "
-                  "inputs, fn), or submit_move_blocks_forward(i, outputs) and go on with the "
-                  "tensors it returns; for inference, run under torch::NoGradGuard");
-  impl_->move_after_forward(block_idx);
+  impl_->submit_without_outputs(block_idx);
 }
 
 torch::autograd::variable_list
@@ -362,9 +347,7 @@ int64_t ModelOffloader::blocks_to_swap() const {
 }
 
 Stats ModelOffloader::stats() const {
-  const EngineStats s = impl_->engine().stats();
-  return Stats{s.h2d_bytes,     s.d2h_bytes,    s.moves,
-               s.stall_seconds, s.device_bytes, s.peak_device_bytes};
+  return impl_->engine().stats();
 }
 
 void ModelOffloader::reset_stats() {

@@ -81,7 +81,7 @@ TEST(Engine, ForwardOnlyLoadsOnlyWhatIsMissing) {
     engine.prepare();
     forward(engine, model);
     if (HasFatalFailure()) return;
-    const EngineStats stats = engine.stats();
+    const Stats stats = engine.stats();
     EXPECT_EQ(stats.moves, 8u * (pass + 1));
     EXPECT_EQ(stats.h2d_bytes, 8u * (pass + 1) * 4096 * sizeof(float));
     EXPECT_EQ(stats.d2h_bytes, 0u);
@@ -101,7 +101,7 @@ TEST(Engine, TrainingStepLoadsTwoKBlocksAndCopiesNothingBack) {
     backward(engine, model);
     if (HasFatalFailure()) return;
   }
-  const EngineStats stats = engine.stats();
+  const Stats stats = engine.stats();
   EXPECT_EQ(stats.moves, 3u * 12);
   EXPECT_EQ(stats.h2d_bytes, 3u * 12 * 4096 * sizeof(float));
   EXPECT_EQ(stats.d2h_bytes, 0u);
@@ -223,17 +223,22 @@ TEST(Engine, ASlotStillViewedIsKeptUntilNothingViewsIt) {
 }
 
 // The recompute pass of checkpointing loads a block that is not on the device.
-TEST(Engine, AcquireLoadsABlockThatIsNotResident) {
+TEST(Engine, TheRecomputePassLoadsABlockThatIsNotResident) {
   const FakeModel model = uniform(6, 256);
   Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 2, .supports_backward = true});
   model.fill(engine);
   engine.prepare();
-  ASSERT_FALSE(engine.is_resident(5));
-  engine.acquire(5);
-  EXPECT_EQ(model.compute(engine, 5), 0u);
-  for (int64_t b = 3; b >= 0; --b) {
-    engine.acquire(b);
+  const Compute recompute{.differentiable = true, .reentrant_checkpointing = true};
+  for (int64_t b = 0; b < 6; ++b) {
+    EXPECT_FALSE(engine.enter(b, recompute).recompute); // the first forward
+    engine.leave(b, recompute);
+  }
+  ASSERT_FALSE(engine.is_resident(0));
+  for (int64_t b = 5; b >= 0; --b) {
+    EXPECT_TRUE(engine.recomputing(b, recompute));
+    EXPECT_TRUE(engine.enter(b, recompute).recompute) << b;
     EXPECT_EQ(model.compute(engine, b), 0u) << b;
+    engine.leave(b, recompute); // moves nothing
   }
 }
 
@@ -439,11 +444,11 @@ TEST(Engine, DebugPrintsMovesAndWaits) {
   const FakeModel model = uniform(4, 512);
   std::vector<std::string> lines;
   Engine engine(slow_device(), model.bytes(),
-                {.label = "double_blocks",
-                 .blocks_to_swap = 1,
+                {.blocks_to_swap = 1,
                  .rotating_slots = 3,
                  .debug = true,
-                 .log = [&](const std::string& l) { lines.push_back(l); }});
+                 .log = [&](const std::string& l) { lines.push_back(l); }},
+                "double_blocks");
   model.fill(engine);
   engine.prepare();
   forward(engine, model);

@@ -10,9 +10,9 @@
 //   // ... fill engine.host_data(i) for every block ...
 //   engine.prepare();
 //   for (int64_t i = 0; i < n; ++i) {
-//     engine.wait_for_block(i);            // the load of block i is complete (on the device)
-//     compute(engine.device_data(i));
-//     engine.after_forward(i);             // enqueue this block's moves
+//     const blockswap::Entered entered = engine.enter(i);  // compute waits for block i's load
+//     compute(entered.slot->data());
+//     engine.leave(i);                                     // enqueue this block's moves
 //   }
 //
 // A block is *resident* when it owns a slot (its load may still be in flight) and *ready* once
@@ -21,13 +21,10 @@
 // one at a time.
 #pragma once
 
-#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
-#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,7 +35,6 @@
 namespace blockswap {
 
 struct EngineOptions {
-  std::string label = "block";    // the seed's block_type, used in messages
   int64_t blocks_to_swap = 0;     // K
   bool supports_backward = false; // training possible; starts in training mode when true
   int64_t rotating_slots = 0;     // forward-only R (ScheduleOptions::rotating_slots)
@@ -48,7 +44,7 @@ struct EngineOptions {
   std::shared_ptr<Trace> trace = {}; // when set: every copy, and every wait that stalls
 };
 
-struct EngineStats {
+struct Stats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
   uint64_t moves = 0;        // blocks loaded into a slot by a move (prepare not counted)
@@ -69,12 +65,26 @@ public:
   virtual void on_evicted(int64_t block) = 0;
 };
 
+// What the caller knows of a block's computation.
+struct Compute {
+  bool differentiable = false; // its backward may run later (grad mode is on)
+  // Reentrant activation checkpointing: a differentiable block computed again in a pass is the
+  // recompute that precedes its backward.
+  bool reentrant_checkpointing = false;
+};
+
+struct Entered {
+  std::shared_ptr<Buffer> slot; // the memory block i computes in (Note [slot lifetime])
+  bool recompute = false;       // the recompute pass: leave() moves nothing
+};
+
 class Engine {
 public:
-  // `block_bytes[i]` is the size of block i's packed weights. Throws Error for an empty block
-  // list or an out-of-range K, OutOfMemory when the slots do not fit on the device.
+  // `block_bytes[i]` is the size of block i's packed weights; `label` (the seed's block_type)
+  // names the engine in messages. Throws Error for an empty block list or an out-of-range K,
+  // OutOfMemory when the slots do not fit on the device.
   Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
-         EngineOptions options);
+         EngineOptions options, std::string label = "block");
   // Waits for copies in flight and frees the slots; never throws.
   ~Engine();
 
@@ -82,29 +92,40 @@ public:
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
-  const std::string& label() const { return options_.label; }
-  Backend& backend() const { return *backend_; }
+  int64_t blocks() const;
+  const std::string& label() const;
   // The host copy of block i's weights: fill it before prepare(). host_buffer shares it, so
   // that the weights can outlive the engine (e.g. as tensors over it).
   std::byte* host_data(int64_t block) const;
   std::shared_ptr<Buffer> host_buffer(int64_t block) const;
   std::size_t block_bytes(int64_t block) const;
-  std::size_t slot_bytes() const { return slot_bytes_; }
+  std::size_t slot_bytes() const; // core/layout.hpp
 
   // Places blocks as the current schedule starts (all of them when swapping is disabled).
   // When it moves blocks it waits until they are loaded, like the seed's; in the steady state
-  // it moves none and returns at once, leaving loads started by the last pass to
-  // wait_for_block.
+  // it moves none and returns at once, leaving loads started by the last pass to enter().
   void prepare();
-  // Orders compute after block i's load on the compute stream as it is now (also when the
-  // block is ready already: the caller may have switched streams). Throws if block i is not
-  // resident.
-  void wait_for_block(int64_t block);
-  // Like wait_for_block, but loads block i first when it is not resident (the recompute pass of
-  // checkpointing, which runs from the last block to the first), into an empty slot or the
-  // slot of a later block.
-  void acquire(int64_t block);
+
+  // The per-block protocol, one call before and one after each block's computation.
+  //
+  // enter: orders compute after block i's load on the compute stream as it is now (also when
+  // the block is ready already: the caller may have switched streams) and returns its slot.
+  // Throws if block i is not resident, or if a differentiable block is computed a second time
+  // in a training pass without reentrant checkpointing. In the recompute pass of reentrant
+  // checkpointing (differentiable, computed before in this pass) it loads block i when it is
+  // not resident, into an empty slot or the slot of a block whose backward is done.
+  Entered enter(int64_t block, Compute compute = {});
+  // leave: after block i's computation is enqueued, records the slot it ran in and performs
+  // the current schedule's moves (none while disabled or in the recompute pass). Throws if the
+  // block was computed before its load was waited for.
+  void leave(int64_t block, Compute compute = {});
+  // Whether enter(block, compute) now is the recompute pass (for a caller that must decide
+  // something before leave()).
+  bool recomputing(int64_t block, Compute compute) const;
+  // The seed's verbs: enter and leave for a computation nothing differentiates.
+  void wait_for_block(int64_t block) { enter(block); }
+  void after_forward(int64_t block) { leave(block); }
+
   // Block i's backward is about to run and autograd's saved tensors point into `slot`, the
   // memory block i was computed in: makes `slot` hold block i again (evicting the slot's
   // occupant, loading block i) and orders compute after that load. The backwards that started
@@ -112,10 +133,9 @@ public:
   // after_backward) run first, as prefetches. Throws Error when `slot` is no longer one of the
   // engine's slots. Note [exact backward] in engine.cpp.
   void acquire_for_backward(int64_t block, const Buffer* slot);
-  // The current schedule's moves after block i's forward / backward; no-ops while disabled.
-  // after_backward is for callers that see each backward end (tests, benchmarks); its moves
-  // fail when the blocks are not where the schedule has them.
-  void after_forward(int64_t block);
+  // The current schedule's moves after block i's backward; a no-op while disabled. For
+  // callers that see each backward end (tests, benchmarks); its moves fail when the blocks are
+  // not where the schedule has them.
   void after_backward(int64_t block);
 
   void disable();
@@ -137,59 +157,13 @@ public:
   void synchronize();
 
   const Schedule& schedule() const;
-  EngineStats stats() const;
+  Stats stats() const;
   void reset_stats();
 
+  class Impl;
+
 private:
-  struct BlockState {
-    std::shared_ptr<Buffer> host;
-    std::size_t bytes = 0;
-    int64_t slot = -1;
-    bool ready = false;
-    bool dirty = false;
-    std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
-    int64_t replaced = -1;         // for debug lines: the block its load evicted
-    std::chrono::steady_clock::time_point submitted;
-    const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
-  };
-  struct SlotState {
-    std::shared_ptr<Buffer> memory;
-    int64_t block = -1;
-    std::unique_ptr<Event> released; // recorded on the compute stream after its last reader
-  };
-
-  const Schedule& current() const;
-  void check_block(int64_t block) const;
-  void wait_locked(int64_t block);
-  int64_t slot_index(const Buffer* memory) const;
-  void place(int64_t block, int64_t slot);
-  int64_t victim_for(int64_t block) const;
-  void prefetch_after_backward(int64_t block);
-  void wait_like_the_seed(int64_t slot);
-  void move(const Move& move);
-  void evict(int64_t block, bool refilled);
-  void load(int64_t block, int64_t slot);
-  void mark_ready(int64_t block);
-  void forget_unready_loads();
-  void ensure_slots(int64_t count);
-  void release_empty_slots();
-  void synchronize_locked();
-  void log(const std::string& line) const;
-
-  std::shared_ptr<Backend> backend_;
-  EngineOptions options_;
-  Schedule forward_only_;
-  std::optional<Schedule> training_; // when supports_backward
-  bool is_forward_only_;
-  bool enabled_ = true;
-  std::size_t slot_bytes_ = 0;
-  std::vector<BlockState> blocks_;
-  std::vector<SlotState> slots_;
-  std::unique_ptr<Event> copies_done_;
-  std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
-  ResidencyListener* listener_ = nullptr;
-  EngineStats stats_;
-  mutable std::mutex mutex_;
+  std::unique_ptr<Impl> impl_;
 };
 
 } // namespace blockswap

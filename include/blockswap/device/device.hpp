@@ -1,0 +1,83 @@
+// Device: one accelerator (or the emulated one), shared by every offloader of a model.
+//
+// A model with two block lists (FLUX, HunyuanVideo, HiDream: double and single blocks) has an
+// offloader per list. They share one Device: one copy stream (or emulated copy engine), so
+// that loads run one after another in the order the blocks compute; one account of the device
+// memory their slots hold; and an optional budget for all of them together.
+//
+//   auto device = blockswap::Device::open("cuda", {.budget_bytes = 20ull << 30});
+//   // each offloader: options.shared_device = device (the LibTorch front end, torch.hpp)
+//
+// Device::open is the one place that knows which backends this build has. An engine runs on
+// the Backend that attach() returns: the device's own backend, seen through the account.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "blockswap/core/backend.hpp"
+
+struct CUstream_st; // cudaStream_t is CUstream_st*
+
+namespace blockswap {
+
+struct DeviceOptions {
+  // Device bytes that the slots of every offloader on this device may hold together; over it,
+  // a slot allocation throws OutOfMemory. 0 = no budget but the device's memory.
+  std::size_t budget_bytes = 0;
+  // The emulated device: its copy bandwidth in GB/s (0 = memcpy speed) and its memory in bytes
+  // (0 = no limit).
+  double emulated_link_gbps = 0;
+  std::size_t emulated_capacity_bytes = 0;
+  // CUDA: the stream blocks are computed on, asked at every use (the LibTorch front end passes
+  // torch's current stream); empty = the legacy default stream.
+  std::function<CUstream_st*()> compute_stream = nullptr;
+};
+
+class Device {
+public:
+  // "emulated" (or "cpu"), "cuda" (device 0), "cuda:N". Throws Error naming the devices this
+  // build has when it has no such backend, or the backend's error when it cannot be used.
+  static std::shared_ptr<Device> open(std::string_view name, DeviceOptions options = {});
+  // The kinds of device this build can open: "emulated", and "cuda" when built with CUDA.
+  static std::vector<std::string> kinds();
+  // Whether a device of this kind can be opened here now: "emulated" always, "cuda" when built
+  // with CUDA and a GPU is present.
+  static bool present(std::string_view kind);
+
+  // A device over a backend made elsewhere (a test double, a backend of your own).
+  explicit Device(std::shared_ptr<Backend> backend, std::size_t budget_bytes = 0);
+  ~Device();
+
+  // not copyable, not movable: attached backends refer to its state
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  std::string name() const; // the backend's: "emulated", "cuda:0"
+  bool is_cuda() const;
+  // The shared backend: its copy stream is the one every attached engine copies on.
+  Backend& backend() const;
+  std::size_t budget_bytes() const; // 0 = none
+  // What the budget leaves for more slots: the budget minus what attached engines hold now
+  // (the most a size_t holds when there is no budget).
+  std::size_t available_bytes() const;
+  // Device memory held through attach(), every engine together: now and at most.
+  MemoryStats memory() const;
+
+  // The backend for one engine (one offloader). Its device allocations count against the
+  // budget, and the OutOfMemory it throws names `label`; its copies go on the shared copy
+  // stream in the order they are enqueued; the copy observer it is given sees only its own
+  // copies; memory() reports its own allocations. It keeps the device alive.
+  std::shared_ptr<Backend> attach(std::string label);
+
+  struct State;
+
+private:
+  std::shared_ptr<State> state_;
+};
+
+} // namespace blockswap
