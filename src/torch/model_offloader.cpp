@@ -65,17 +65,25 @@ resident_on(const BlockList& blocks, c10::Device device) {
 int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
                               const Device& device, const std::vector<BlockLayout>& layouts) {
   if (options.blocks_to_swap != -1) return options.blocks_to_swap;
-  const std::size_t budget = options.shared_device
-                                 ? (device.budget_bytes() > 0 ? device.available_bytes() : 0)
-                                 : options.device_budget_bytes;
-  BLOCKSWAP_CHECK(budget > 0, "[", label,
-                  "] blocks_to_swap = -1 asks the planner to choose K, which needs a budget: "
-                  "Options::device_budget_bytes, or DeviceOptions::budget_bytes of the shared "
-                  "device (with budget left)");
   std::vector<std::size_t> bytes;
   for (const auto& layout : layouts) bytes.push_back(layout.bytes);
-  return plan_blocks_to_swap(bytes, budget,
-                             options.supports_backward ? Mode::training : Mode::forward_only);
+  const Mode mode = options.supports_backward ? Mode::training : Mode::forward_only;
+  if (options.shared_device && device.budget_bytes() > 0) {
+    // What the offloaders made before this one left of the device's budget.
+    const std::size_t left = device.available_bytes();
+    try {
+      return plan_blocks_to_swap(bytes, left, mode);
+    } catch (const Error& e) {
+      throw Error(detail::concat("[", label, "] the shared device ", device.name(), " has ", left,
+                                 " bytes left of its budget of ", device.budget_bytes(), ": ",
+                                 e.what(), ". Plan every block list together (plan_block_lists)"));
+    }
+  }
+  BLOCKSWAP_CHECK(!options.shared_device && options.device_budget_bytes > 0, "[", label,
+                  "] blocks_to_swap = -1 asks the planner to choose K, which needs a budget: "
+                  "Options::device_budget_bytes, or DeviceOptions::budget_bytes of the shared "
+                  "device");
+  return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
 }
 
 std::vector<BlockLayout> checked_layouts(const std::string& label,
