@@ -114,5 +114,36 @@ int main() {
     }
     check(equal, "LoRA training equals the unswapped model bitwise");
   }
+
+  // Two block lists on one shared device, planned together (docs/guide.md).
+  {
+    torch::NoGradGuard no_grad;
+    Model first, second, reference_first, reference_second;
+    const std::size_t slot = (16 * 16 + 16) * sizeof(float) + 512; // over one aligned block
+    const blockswap::SwapPlan plan = blockswap::plan_block_lists(
+        {first.modules(), second.modules()}, 6 * slot, blockswap::Mode::forward_only);
+    auto device = blockswap::open_device(torch::kCPU, {.budget_bytes = 6 * slot});
+    blockswap::Options options;
+    options.shared_device = device;
+    options.blocks_to_swap = plan.lists[0].blocks_to_swap;
+    blockswap::ModelOffloader a("double_blocks", first.modules(), options);
+    options.blocks_to_swap = plan.lists[1].blocks_to_swap;
+    blockswap::ModelOffloader b("single_blocks", second.modules(), options);
+    torch::Tensor expected = input, x = input;
+    for (auto* m : {&reference_first, &reference_second})
+      for (auto& block : m->blocks) expected = block->forward(expected);
+    a.prepare_block_devices_before_forward();
+    b.prepare_block_devices_before_forward();
+    for (auto [offloader, model] : {std::pair{&a, &first}, std::pair{&b, &second}}) {
+      for (int64_t i = 0; i < 8; ++i) {
+        offloader->wait_for_block(i);
+        x = model->blocks[i]->forward(x);
+        offloader->submit_move_blocks_forward(i);
+      }
+    }
+    check(torch::equal(x, expected), "two lists on one device equal the unswapped model");
+    check(device->memory().peak_device_bytes == plan.device_bytes,
+          "the device holds what the plan says");
+  }
   return failures == 0 ? 0 : 1;
 }
