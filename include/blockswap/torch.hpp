@@ -45,6 +45,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "blockswap/core/engine.hpp"
@@ -88,6 +89,14 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options = 
 
 using BlockList = std::vector<std::shared_ptr<torch::nn::Module>>;
 
+// A block given as its tensors rather than a torch::nn::Module (the Python package's blocks are
+// Python modules): every parameter and buffer with its name. A tensor listed twice (an
+// adapter wrapper's `weight` that aliases its base layer's) is packed once.
+struct TensorBlock {
+  std::vector<std::pair<std::string, at::Tensor>> parameters;
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+};
+
 // The packed bytes of each block as an offloader packs them: every frozen parameter at an
 // aligned offset (core/layout.hpp). Validates the blocks as the constructor does.
 std::vector<std::size_t> packed_block_bytes(const BlockList& blocks,
@@ -116,6 +125,7 @@ public:
   // as it was. Only blockswap::Error escapes.
   ModelOffloader(std::string block_type, BlockList blocks, Options options);
   ModelOffloader(std::string block_type, const torch::nn::ModuleList& blocks, Options options);
+  ModelOffloader(std::string block_type, std::vector<TensorBlock> blocks, Options options);
   // Waits for copies in flight and leaves every packed parameter and buffer an ordinary host
   // tensor holding its current values. Never throws. A backward that needs the offloader
   // afterwards raises blockswap::Error; no memory is ever read after it is freed.

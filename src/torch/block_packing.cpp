@@ -48,12 +48,8 @@ std::string unusable(const at::Tensor& tensor, c10::Device device) {
 
 } // namespace
 
-std::vector<BlockLayout>
-layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
-              const std::string& label, c10::Device device) {
-  std::vector<BlockLayout> layouts(blocks.size());
-  std::unordered_map<const void*, std::size_t> owner; // TensorImpl -> block
-  std::lock_guard lock(claims().mutex);
+std::vector<TensorBlock> tensor_blocks(const BlockList& blocks, const std::string& label) {
+  std::vector<TensorBlock> out;
   for (std::size_t b = 0; b < blocks.size(); ++b) {
     BLOCKSWAP_CHECK(blocks[b] != nullptr, "[", label, "] block ", b, " is a null module");
     for (std::size_t earlier = 0; earlier < b; ++earlier) {
@@ -61,6 +57,24 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
                       " is the same module as block ", earlier,
                       ": each block must be listed once");
     }
+    TensorBlock block;
+    for (const auto& item : blocks[b]->named_parameters(/*recurse=*/true)) {
+      block.parameters.emplace_back(item.key(), item.value());
+    }
+    for (const auto& item : blocks[b]->named_buffers(/*recurse=*/true)) {
+      block.buffers.emplace_back(item.key(), item.value());
+    }
+    out.push_back(std::move(block));
+  }
+  return out;
+}
+
+std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
+                                       const std::string& label, c10::Device device) {
+  std::vector<BlockLayout> layouts(blocks.size());
+  std::unordered_map<const void*, std::size_t> owner; // TensorImpl -> block
+  std::lock_guard lock(claims().mutex);
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
     BlockLayout& layout = layouts[b];
     auto check = [&](const std::string& name, const at::Tensor& tensor) {
       const std::string why = unusable(tensor, device);
@@ -84,18 +98,19 @@ layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
           PackedTensor{name, tensor, layout.bytes, tensor.sizes().vec(), tensor.scalar_type()});
       layout.bytes += tensor.numel() * tensor.element_size();
     };
-    for (const auto& item : blocks[b]->named_parameters(/*recurse=*/true)) {
-      if (item.value().requires_grad()) {
-        check(item.key(), item.value()); // stays as it is, on the device
+    for (const auto& [name, tensor] : blocks[b].parameters) {
+      if (!tensor.defined()) continue;
+      if (tensor.requires_grad()) {
+        check(name, tensor); // stays as it is, on the device
       } else {
-        add(item.key(), item.value());
+        add(name, tensor);
       }
     }
     // Buffers are state the forward may update (running statistics), in ways autograd's
     // version counter does not always see (LibTorch's batch_norm): they stay on the device,
     // like adapters, and are never packed.
-    for (const auto& item : blocks[b]->named_buffers(/*recurse=*/true)) {
-      if (item.value().defined()) check(item.key(), item.value());
+    for (const auto& [name, tensor] : blocks[b].buffers) {
+      if (tensor.defined()) check(name, tensor);
     }
   }
   return layouts;

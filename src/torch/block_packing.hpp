@@ -10,10 +10,7 @@
 #include <vector>
 
 #include "blockswap/core/engine.hpp"
-
-namespace torch::nn {
-class Module;
-}
+#include "blockswap/torch.hpp"
 
 namespace blockswap::torch_frontend {
 
@@ -37,13 +34,16 @@ struct BlockLayout {
 
 // The frozen parameters (requires_grad false) of a block, at aligned offsets (core/layout.hpp).
 // Validates every tensor of every block first and changes nothing: throws Error naming the
-// tensor for a null or repeated module, a tensor shared with an earlier block or claimed by
+// tensor for a tensor shared with an earlier block or claimed by
 // another offloader, and a tensor that is meta, sparse, quantized, not contiguous, or on a
 // device other than the host and `device`. Trainable parameters and buffers, which stay on
 // the device and are never packed, are checked too.
-std::vector<BlockLayout>
-layout_blocks(const std::vector<std::shared_ptr<torch::nn::Module>>& blocks,
-              const std::string& label, c10::Device device);
+std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
+                                       const std::string& label, c10::Device device);
+
+// Each module's parameters and buffers, recursively, by name. Throws Error naming a null
+// module or one listed twice.
+std::vector<TensorBlock> tensor_blocks(const BlockList& blocks, const std::string& label);
 
 // Keeps the modules' tensors pointing at the right memory as the engine moves blocks: a view
 // of its slot while a block is ready, a view of its host copy otherwise (or, when `strict`,

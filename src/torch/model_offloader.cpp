@@ -2,6 +2,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <iostream>
+#include <unordered_set>
 #include <utility>
 
 #include "block_autograd.hpp"
@@ -48,16 +49,20 @@ std::shared_ptr<Device> device_for(const std::string& label, const Options& opti
 // Adapters being trained and buffers stay on the compute device for good: their device copies,
 // made before anything is changed (the constructor is all or nothing).
 std::vector<std::pair<at::Tensor, at::Tensor>>
-resident_on(const BlockList& blocks, c10::Device device) {
+resident_on(const std::vector<TensorBlock>& blocks, c10::Device device) {
   std::vector<std::pair<at::Tensor, at::Tensor>> moves;
   if (device.is_cpu()) return moves;
+  std::unordered_set<const void*> seen; // an aliased tensor moves once
+  auto move = [&](const at::Tensor& t) {
+    if (t.defined() && t.device() != device && seen.insert(t.unsafeGetTensorImpl()).second) {
+      moves.emplace_back(t, t.data().to(device));
+    }
+  };
   for (const auto& block : blocks) {
-    for (auto& p : block->parameters()) {
-      if (p.requires_grad() && p.device() != device) moves.emplace_back(p, p.data().to(device));
+    for (const auto& [name, p] : block.parameters) {
+      if (p.defined() && p.requires_grad()) move(p);
     }
-    for (auto& t : block->buffers()) {
-      if (t.defined() && t.device() != device) moves.emplace_back(t, t.data().to(device));
-    }
+    for (const auto& [name, t] : block.buffers) move(t);
   }
   return moves;
 }
@@ -87,7 +92,7 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
 }
 
 std::vector<BlockLayout> checked_layouts(const std::string& label,
-                                         const BlockList& blocks,
+                                         const std::vector<TensorBlock>& blocks,
                                          c10::Device device) {
   BLOCKSWAP_CHECK(!blocks.empty(), "[", label, "] ModelOffloader needs at least one block");
   return torch_frontend::layout_blocks(blocks, label, device);
@@ -97,7 +102,7 @@ std::vector<BlockLayout> checked_layouts(const std::string& label,
 
 class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
-  Impl(std::string block_type, BlockList blocks, Options options)
+  Impl(std::string block_type, std::vector<TensorBlock> blocks, Options options)
       : options_(std::move(options)), label_(std::move(block_type)),
         device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
         blocks_(std::move(blocks)),
@@ -230,7 +235,7 @@ private:
   std::string label_;
   std::shared_ptr<Device> device_;
   c10::Device torch_device_;
-  BlockList blocks_;
+  std::vector<TensorBlock> blocks_;
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
   std::unique_ptr<Engine> engine_;
@@ -261,7 +266,8 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
 
 std::vector<std::size_t> packed_block_bytes(const BlockList& blocks, c10::Device device) {
   std::vector<std::size_t> bytes;
-  for (const BlockLayout& layout : checked_layouts("blocks", blocks, device)) {
+  for (const BlockLayout& layout :
+       checked_layouts("blocks", torch_frontend::tensor_blocks(blocks, "blocks"), device)) {
     bytes.push_back(layout.bytes);
   }
   return bytes;
@@ -279,8 +285,7 @@ namespace {
 // Only blockswap::Error leaves the constructor: LibTorch's own errors (a copy that fails, a
 // device LibTorch lacks) are wrapped with the offloader's label.
 std::shared_ptr<ModelOffloader::Impl>
-make_impl(std::string block_type, BlockList blocks,
-          const Options& options) {
+make_impl(std::string block_type, std::vector<TensorBlock> blocks, const Options& options) {
   const std::string label = block_type;
   try {
     return std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
@@ -297,8 +302,10 @@ make_impl(std::string block_type, BlockList blocks,
 
 } // namespace
 
-ModelOffloader::ModelOffloader(std::string block_type,
-                               BlockList blocks,
+ModelOffloader::ModelOffloader(std::string block_type, BlockList blocks, Options options)
+    : impl_(make_impl(block_type, torch_frontend::tensor_blocks(blocks, block_type), options)) {}
+
+ModelOffloader::ModelOffloader(std::string block_type, std::vector<TensorBlock> blocks,
                                Options options)
     : impl_(make_impl(std::move(block_type), std::move(blocks), options)) {}
 
