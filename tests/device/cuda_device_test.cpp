@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "blockswap/core/error.hpp"
+#include "cuda_handles.hpp"
 
 namespace blockswap {
 namespace {
@@ -22,6 +23,24 @@ protected:
     if (!CudaDevice::available()) GTEST_SKIP() << "no CUDA device";
   }
 };
+
+// Handles are move-only values: the moved-from one is empty, the moved-to one works.
+TEST_F(CudaDeviceTest, HandlesMoveAndStayUsable) {
+  cuda::StreamHandle stream(0);
+  cuda::EventHandle event(0);
+  ASSERT_TRUE(stream && event);
+  cuda::StreamHandle other = std::move(stream);
+  cuda::EventHandle recorded = std::move(event);
+  EXPECT_FALSE(stream);
+  EXPECT_FALSE(event);
+  ASSERT_EQ(cudaEventRecord(recorded.get(), other.get()), cudaSuccess);
+  EXPECT_EQ(cudaEventSynchronize(recorded.get()), cudaSuccess);
+  other = cuda::StreamHandle(0); // the old stream is synchronised and destroyed
+  EXPECT_TRUE(other);
+  other.reset();
+  other.reset(); // twice is fine
+  EXPECT_FALSE(other);
+}
 
 TEST_F(CudaDeviceTest, HostMemoryIsPinned) {
   CudaDevice device;

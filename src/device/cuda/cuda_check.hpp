@@ -3,6 +3,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdio>
+
 #include "blockswap/core/error.hpp"
 
 namespace blockswap::detail {
@@ -18,6 +20,14 @@ namespace blockswap::detail {
   throw Error(message);
 }
 
+// For destructors and other paths that must not throw: the same text, to stderr.
+inline void log_cuda(cudaError_t error, const char* call, const char* file, int line) noexcept {
+  int device = -1;
+  cudaGetDevice(&device);
+  std::fprintf(stderr, "blockswap: %s failed: %s (%s) on cuda:%d at %s:%d\n", call,
+               cudaGetErrorName(error), cudaGetErrorString(error), device, file, line);
+}
+
 } // namespace blockswap::detail
 
 // Throws blockswap::Error naming the call, the CUDA error and the device.
@@ -26,5 +36,14 @@ namespace blockswap::detail {
     const cudaError_t blockswap_cuda_error = (call);                                               \
     if (blockswap_cuda_error != cudaSuccess) {                                                     \
       ::blockswap::detail::throw_cuda(blockswap_cuda_error, #call, __FILE__, __LINE__);            \
+    }                                                                                              \
+  } while (false)
+
+// Logs the call, the CUDA error and the device to stderr; never throws (destructors).
+#define BLOCKSWAP_CUDA_LOG(call)                                                                   \
+  do {                                                                                             \
+    const cudaError_t blockswap_cuda_error = (call);                                               \
+    if (blockswap_cuda_error != cudaSuccess) {                                                     \
+      ::blockswap::detail::log_cuda(blockswap_cuda_error, #call, __FILE__, __LINE__);              \
     }                                                                                              \
   } while (false)

@@ -7,36 +7,17 @@
 #include <mutex>
 #include <type_traits>
 
-#include "cuda_check.hpp"
+#include "cuda_handles.hpp"
 
 namespace blockswap {
 namespace {
 
-// Makes `device` current for the scope; the previous device comes back afterwards.
-class DeviceScope {
-public:
-  explicit DeviceScope(int device) {
-    BLOCKSWAP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) BLOCKSWAP_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
-private:
-  int previous_ = 0;
-};
+using cuda::DeviceScope;
 
 class CudaEvent final : public Event {
 public:
-  explicit CudaEvent(int device) {
-    DeviceScope scope(device);
-    BLOCKSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-  }
-  ~CudaEvent() override { cudaEventDestroy(event); }
-  CudaEvent(const CudaEvent&) = delete;
-  CudaEvent& operator=(const CudaEvent&) = delete;
-  cudaEvent_t event = nullptr;
+  explicit CudaEvent(int device) : handle(device) {}
+  cuda::EventHandle handle;
   bool recorded = false;
 };
 
@@ -60,7 +41,7 @@ void warn_pageable_once(std::size_t bytes, cudaError_t error) {
 
 struct CudaDevice::State {
   CudaDeviceOptions options;
-  cudaStream_t copy = nullptr;
+  cuda::StreamHandle copy;
   mutable std::mutex mutex;
   std::size_t device_bytes = 0;
   std::size_t peak_device_bytes = 0;
@@ -69,7 +50,7 @@ struct CudaDevice::State {
   cudaStream_t compute() const {
     return options.compute_stream ? options.compute_stream() : nullptr;
   }
-  cudaStream_t stream(Stream s) const { return s == Stream::copy ? copy : compute(); }
+  cudaStream_t stream(Stream s) const { return s == Stream::copy ? copy.get() : compute(); }
 };
 
 bool CudaDevice::available() {
@@ -84,18 +65,12 @@ CudaDevice::CudaDevice(CudaDeviceOptions options) : state_(std::make_shared<Stat
   BLOCKSWAP_CHECK(state_->options.device >= 0 && state_->options.device < count,
                   "cuda:", state_->options.device, " does not exist: ", count,
                   " CUDA device(s) present");
-  DeviceScope scope(state_->options.device);
-  BLOCKSWAP_CUDA_CHECK(cudaStreamCreateWithFlags(&state_->copy, cudaStreamNonBlocking));
+  state_->copy = cuda::StreamHandle(state_->options.device);
 }
 
+// The copy stream finishes its copies, then goes (StreamHandle::reset logs what fails).
 CudaDevice::~CudaDevice() {
-  if (state_->copy == nullptr) return;
-  const cudaError_t error = cudaStreamSynchronize(state_->copy);
-  if (error != cudaSuccess) {
-    std::cerr << "blockswap: cuda:" << state_->options.device
-              << " copy stream failed while shutting down: " << cudaGetErrorString(error) << '\n';
-  }
-  cudaStreamDestroy(state_->copy);
+  state_->copy.reset();
 }
 
 std::string CudaDevice::name() const {
@@ -109,7 +84,7 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
   cudaError_t error = cudaHostAlloc(&data, size, cudaHostAllocPortable);
   if (error == cudaSuccess) {
     return Buffer(static_cast<std::byte*>(data), bytes,
-                  [](std::byte* p, std::size_t) { cudaFreeHost(p); });
+                  [](std::byte* p, std::size_t) { BLOCKSWAP_CUDA_LOG(cudaFreeHost(p)); });
   }
   cudaGetLastError(); // clear it: the fallbacks below are the answer
   data = std::aligned_alloc(4096, (size + 4095) / 4096 * 4096);
@@ -118,7 +93,7 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
   error = cudaHostRegister(data, size, cudaHostRegisterPortable);
   if (error == cudaSuccess) {
     return Buffer(static_cast<std::byte*>(data), bytes, [](std::byte* p, std::size_t) {
-      cudaHostUnregister(p);
+      BLOCKSWAP_CUDA_LOG(cudaHostUnregister(p));
       std::free(p);
     });
   }
@@ -156,7 +131,7 @@ Buffer CudaDevice::allocate_device(std::size_t bytes) {
   // buffer may outlive this object: it shares the state.
   return Buffer(static_cast<std::byte*>(data), bytes,
                 [state = state_](std::byte* p, std::size_t n) {
-                  cudaFree(p);
+                  BLOCKSWAP_CUDA_LOG(cudaFree(p));
                   std::lock_guard lock(state->mutex);
                   state->device_bytes -= n;
                 });
@@ -164,12 +139,14 @@ Buffer CudaDevice::allocate_device(std::size_t bytes) {
 
 void CudaDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
                                 int64_t /*tag*/) {
-  BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, state_->copy));
+  BLOCKSWAP_CUDA_CHECK(
+      cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, state_->copy.get()));
 }
 
 void CudaDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                               int64_t /*tag*/) {
-  BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, state_->copy));
+  BLOCKSWAP_CUDA_CHECK(
+      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, state_->copy.get()));
 }
 
 void CudaDevice::set_copy_observer(CopyObserver /*observer*/) {}
@@ -177,7 +154,7 @@ void CudaDevice::set_copy_observer(CopyObserver /*observer*/) {}
 void CudaDevice::poison(std::byte* device, std::size_t bytes) {
   // 0xFF bytes are NaN in float32, float16 and bfloat16. A device memset runs at device memory
   // speed, far above the link's.
-  if (bytes > 0) BLOCKSWAP_CUDA_CHECK(cudaMemsetAsync(device, 0xFF, bytes, state_->copy));
+  if (bytes > 0) BLOCKSWAP_CUDA_CHECK(cudaMemsetAsync(device, 0xFF, bytes, state_->copy.get()));
 }
 
 std::unique_ptr<Event> CudaDevice::make_event() {
@@ -186,20 +163,20 @@ std::unique_ptr<Event> CudaDevice::make_event() {
 
 void CudaDevice::record(Event& event, Stream stream) {
   CudaEvent& e = cuda_event(event);
-  BLOCKSWAP_CUDA_CHECK(cudaEventRecord(e.event, state_->stream(stream)));
+  BLOCKSWAP_CUDA_CHECK(cudaEventRecord(e.handle.get(), state_->stream(stream)));
   e.recorded = true;
 }
 
 void CudaDevice::wait(Stream stream, const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
-  BLOCKSWAP_CUDA_CHECK(cudaStreamWaitEvent(state_->stream(stream), e.event, 0));
+  BLOCKSWAP_CUDA_CHECK(cudaStreamWaitEvent(state_->stream(stream), e.handle.get(), 0));
 }
 
 void CudaDevice::synchronize(const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
-  BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(e.event));
+  BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(e.handle.get()));
 }
 
 MemoryStats CudaDevice::memory() const {
