@@ -154,6 +154,11 @@ public:
   // its weights are brought back where its forward's saved tensors point.
   torch::autograd::variable_list
   submit_move_blocks_forward(int64_t block_idx, const torch::autograd::variable_list& outputs);
+  // For front ends that see a block's outputs apart from its end (the Python package's forward
+  // hooks): brackets block i's outputs as the overload above does, without its moves; the
+  // plain submit_move_blocks_forward(i) follows and makes them.
+  torch::autograd::variable_list bracket_outputs(int64_t block_idx,
+                                                 const torch::autograd::variable_list& outputs);
   void disable_block_swap();
   void enable_block_swap();
   // Forward-only (inference) or training moves. Training needs supports_backward.

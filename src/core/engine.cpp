@@ -299,11 +299,13 @@ void Engine::Impl::wait_locked(int64_t block) {
   }
 }
 
-// The recompute pass of reentrant checkpointing: differentiable, with that option, for a
-// block that already ran forward in this pass (a block that has not is computed normally: not
-// every block need be checkpointed).
+// The recompute pass of checkpointing: a differentiable block that already ran forward in this
+// pass (a block that has not is computed normally: not every block need be checkpointed).
 bool Engine::Impl::recompute_pass(int64_t block, Compute compute) const {
-  return compute.differentiable && compute.reentrant_checkpointing && blocks_[block].forwarded;
+  // Non-reentrant checkpointing recomputes blocks during backward with grad mode on, as its
+  // forward ran: a block computed again once a backward has started is its recompute.
+  return compute.differentiable && blocks_[block].forwarded &&
+         (compute.reentrant_checkpointing || !backward_started_.empty());
 }
 
 bool Engine::Impl::recomputing(int64_t block, Compute compute) const {

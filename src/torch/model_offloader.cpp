@@ -120,6 +120,7 @@ public:
     binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
     for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
+    outputs_seen_.assign(blocks_.size(), false);
   }
 
   ~Impl() override {
@@ -162,36 +163,58 @@ public:
   }
 
   // Before a block's forward: its load waited for (or, in the recompute pass, made).
-  Entered wait(int64_t block) { return engine_->enter(block, compute()); }
+  Entered wait(int64_t block) {
+    check_index(block);
+    outputs_seen_[block] = false;
+    return engine_->enter(block, compute());
+  }
+
+  void check_index(int64_t block) const {
+    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(outputs_seen_.size()), "[", label_,
+                    "] block index ", block, " is out of range for ", outputs_seen_.size(),
+                    " blocks");
+  }
 
   // After a block's forward: its outputs bracketed in autograd, its moves. `slot` is where it
   // ran, when the caller knows.
   torch::autograd::variable_list submit(const std::shared_ptr<Impl>& self, int64_t block,
                                         const torch::autograd::variable_list& outputs,
                                         std::shared_ptr<Buffer> slot = nullptr) {
-    torch::autograd::variable_list result = outputs;
-    if (blocks_to_swap_ > 0) {
-      if (!slot) slot = engine_->device_buffer(block);
-      check_no_output_views_weights(block, *slot, outputs);
-      if (bracketed()) {
-        result = torch_frontend::exit_block(self, block, std::move(slot),
-                                            detail::concat("[", label_, "] block ", block), outputs);
-      }
-    }
+    torch::autograd::variable_list result = bracket(self, block, outputs, std::move(slot));
     engine_->leave(block, compute());
+    outputs_seen_[block] = false;
     return result;
   }
 
+  // A block's outputs, bracketed in autograd when it may be differentiated later.
+  torch::autograd::variable_list bracket(const std::shared_ptr<Impl>& self, int64_t block,
+                                         const torch::autograd::variable_list& outputs,
+                                         std::shared_ptr<Buffer> slot = nullptr) {
+    check_index(block);
+    if (blocks_to_swap_ == 0) return outputs;
+    if (!slot) slot = engine_->device_buffer(block);
+    check_no_output_views_weights(block, *slot, outputs);
+    outputs_seen_[block] = true;
+    if (!bracketed()) return outputs;
+    return torch_frontend::exit_block(self, block, std::move(slot),
+                                      detail::concat("[", label_, "] block ", block), outputs);
+  }
+
   // The plain verb: without the outputs, a block that autograd may differentiate cannot be
-  // bracketed, unless this is the recompute pass (its backward follows at once).
+  // bracketed, unless they were (bracket_outputs) or this is the recompute pass (its backward
+  // follows at once).
   void submit_without_outputs(int64_t block) {
-    if (bracketed() && !engine_->recomputing(block, compute())) {
+    check_index(block);
+    const bool seen = outputs_seen_[block];
+    outputs_seen_[block] = false;
+    if (bracketed() && !seen && !engine_->recomputing(block, compute())) {
       throw Error(detail::concat(
           "[", label_, "] submit_move_blocks_forward(", block,
           ") with grad mode on: without the block's outputs blockswap cannot see its backward, "
           "and its weights could be gone by then. To train, use run_block(i, inputs, fn), or "
-          "submit_move_blocks_forward(i, outputs) and go on with the tensors it returns; for "
-          "inference, run under torch::NoGradGuard"));
+          "submit_move_blocks_forward(i, outputs) and go on with the tensors it returns (in "
+          "Python: call the block as block(...), whose outputs the offloader sees); for "
+          "inference, run under torch::NoGradGuard (torch.no_grad())"));
     }
     engine_->leave(block, compute());
   }
@@ -239,6 +262,8 @@ private:
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
   std::unique_ptr<Engine> engine_;
+  // bracket_outputs saw block i's outputs since its wait: the plain submit may follow.
+  std::vector<bool> outputs_seen_;
   Trace::Clock::time_point last_mark_;
 };
 
@@ -325,6 +350,11 @@ void ModelOffloader::wait_for_block(int64_t block_idx) {
 
 void ModelOffloader::submit_move_blocks_forward(int64_t block_idx) {
   impl_->submit_without_outputs(block_idx);
+}
+
+torch::autograd::variable_list
+ModelOffloader::bracket_outputs(int64_t block_idx, const torch::autograd::variable_list& outputs) {
+  return impl_->bracket(impl_, block_idx, outputs);
 }
 
 torch::autograd::variable_list

@@ -69,7 +69,8 @@ public:
 struct Compute {
   bool differentiable = false; // its backward may run later (grad mode is on)
   // Reentrant activation checkpointing: a differentiable block computed again in a pass is the
-  // recompute that precedes its backward.
+  // recompute that precedes its backward. (Without it, a block computed again after a backward
+  // has started is the recompute of non-reentrant checkpointing.)
   bool reentrant_checkpointing = false;
 };
 
