@@ -1,0 +1,161 @@
+// blockswap._C: the LibTorch front end (blockswap/torch.hpp) for Python, on LibTorch's own
+// extension headers and pybind11. The Python class ModelOffloader (python/blockswap) is the
+// seed-compatible face; this module is what it calls.
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/torch.hpp"
+
+namespace py = pybind11;
+
+namespace blockswap {
+namespace {
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+py::dict to_dict(const Stats& s) {
+  py::dict d;
+  d["h2d_bytes"] = s.h2d_bytes;
+  d["d2h_bytes"] = s.d2h_bytes;
+  d["moves"] = s.moves;
+  d["stall_seconds"] = s.stall_seconds;
+  d["device_bytes"] = s.device_bytes;
+  d["peak_device_bytes"] = s.peak_device_bytes;
+  return d;
+}
+
+py::dict to_dict(const MemoryStats& s) {
+  py::dict d;
+  d["device_bytes"] = s.device_bytes;
+  d["peak_device_bytes"] = s.peak_device_bytes;
+  d["device_capacity"] = s.device_capacity;
+  d["pinned_host"] = s.pinned_host;
+  return d;
+}
+
+// The offloader and the trace it records into, written when the Python side asks.
+struct Offloader {
+  std::shared_ptr<Trace> trace;
+  std::unique_ptr<ModelOffloader> impl;
+
+  ModelOffloader& get() {
+    BLOCKSWAP_CHECK(impl != nullptr, "this ModelOffloader was closed");
+    return *impl;
+  }
+};
+
+std::unique_ptr<Offloader> make_offloader(std::string block_type,
+                                          const std::vector<std::pair<NamedTensors, NamedTensors>>& blocks,
+                                          int64_t blocks_to_swap, bool supports_backward,
+                                          const std::string& device, bool reentrant, bool debug,
+                                          int64_t rotating_slots, std::size_t budget_bytes,
+                                          std::shared_ptr<Device> shared_device, bool trace,
+                                          double link_gbps, std::size_t capacity_bytes) {
+  std::vector<TensorBlock> tensor_blocks;
+  for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
+  Options options;
+  options.blocks_to_swap = blocks_to_swap;
+  options.supports_backward = supports_backward;
+  options.reentrant_activation_checkpointing = reentrant;
+  options.debug = debug;
+  options.rotating_slots = rotating_slots;
+  options.device_budget_bytes = budget_bytes;
+  options.emulated_link_gbps = link_gbps;
+  options.emulated_capacity_bytes = capacity_bytes;
+  if (shared_device) {
+    options.shared_device = std::move(shared_device);
+  } else {
+    options.device = c10::Device(device);
+  }
+  auto offloader = std::make_unique<Offloader>();
+  if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
+  py::gil_scoped_release release; // packing copies every block
+  offloader->impl =
+      std::make_unique<ModelOffloader>(std::move(block_type), std::move(tensor_blocks), options);
+  return offloader;
+}
+
+} // namespace
+} // namespace blockswap
+
+PYBIND11_MODULE(_C, m) {
+  using namespace blockswap;
+  m.doc() = "blockswap's C++ core for Python; use blockswap.ModelOffloader";
+  static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
+  static py::exception<OutOfMemory> out_of_memory(m, "OutOfMemoryError", error.ptr());
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfMemory& e) {
+      out_of_memory(e.what());
+    } catch (const Error& e) {
+      error(e.what());
+    }
+  });
+
+  py::class_<Device, std::shared_ptr<Device>>(m, "Device")
+      .def_property_readonly("name", &Device::name)
+      .def_property_readonly("budget_bytes", &Device::budget_bytes)
+      .def("available_bytes", &Device::available_bytes)
+      .def("memory", [](const Device& d) { return to_dict(d.memory()); })
+      .def("__repr__", [](const Device& d) { return "<blockswap.Device " + d.name() + ">"; });
+
+  m.def(
+      "open_device",
+      [](const std::string& device, std::size_t budget_bytes, double link_gbps,
+         std::size_t capacity_bytes) {
+        DeviceOptions options;
+        options.budget_bytes = budget_bytes;
+        options.emulated_link_gbps = link_gbps;
+        options.emulated_capacity_bytes = capacity_bytes;
+        return open_device(c10::Device(device), options);
+      },
+      py::arg("device"), py::arg("budget_bytes") = 0, py::arg("link_gbps") = 0.0,
+      py::arg("capacity_bytes") = 0);
+  m.def("cuda_available", &cuda_available);
+  m.def("max_blocks_to_swap", [](int64_t n, bool training) {
+    return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
+  });
+
+  using Release = py::call_guard<py::gil_scoped_release>;
+  py::class_<Offloader>(m, "Offloader")
+      .def(py::init(&make_offloader), py::arg("block_type"), py::arg("blocks"),
+           py::arg("blocks_to_swap"), py::arg("supports_backward"), py::arg("device"),
+           py::arg("reentrant"), py::arg("debug"), py::arg("rotating_slots"),
+           py::arg("budget_bytes"), py::arg("shared_device"), py::arg("trace"),
+           py::arg("link_gbps"), py::arg("capacity_bytes"))
+      .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
+           Release())
+      .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },
+           Release())
+      .def("submit", [](Offloader& o, int64_t i) { o.get().submit_move_blocks_forward(i); },
+           Release())
+      .def("bracket_outputs",
+           [](Offloader& o, int64_t i, const std::vector<at::Tensor>& outputs) {
+             return o.get().bracket_outputs(i, outputs);
+           },
+           Release())
+      .def("disable", [](Offloader& o) { o.get().disable_block_swap(); })
+      .def("enable", [](Offloader& o) { o.get().enable_block_swap(); })
+      .def("set_forward_only", [](Offloader& o, bool f) { o.get().set_forward_only(f); })
+      .def("is_resident", [](Offloader& o, int64_t i) { return o.get().is_resident(i); })
+      .def("synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
+      .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
+      .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
+      .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
+      .def("write_trace",
+           [](Offloader& o, const std::string& path) {
+             BLOCKSWAP_CHECK(o.trace != nullptr, "this ModelOffloader records no trace");
+             o.trace->write_chrome_json(path);
+           })
+      .def("close",
+           [](Offloader& o) {
+             py::gil_scoped_release release; // waits for copies in flight
+             o.impl.reset();
+           });
+}
