@@ -2,9 +2,9 @@
 //
 // It owns one host buffer per block (the authoritative copy of its frozen weights, pinned
 // where the backend can) and a fixed set of device slots, each big enough for the largest
-// block (rounded up to 256 bytes), allocated once. It knows nothing of tensors: a front end packs
-// each block's weights into host_data(i) and, through a ResidencyListener, points its tensors at
-// device_data(i) while the block is ready.
+// block (core/layout.hpp), allocated once. It knows nothing of tensors: a front end packs each
+// block's weights into host_data(i) and, through a ResidencyListener, points its tensors at
+// the block's slot while it is ready.
 //
 //   blockswap::Engine engine(backend, {bytes0, bytes1, ...}, {.blocks_to_swap = 2});
 //   // ... fill engine.host_data(i) for every block ...
