@@ -109,6 +109,7 @@ private:
   void ensure_slots(int64_t count);
   void release_empty_slots();
   void synchronize_locked();
+  void collect_stalls() const;
   void log(const std::string& line) const;
 
   std::shared_ptr<Backend> backend_;
@@ -124,7 +125,15 @@ private:
   std::unique_ptr<Event> copies_done_;
   std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
   ResidencyListener* listener_ = nullptr;
-  Stats stats_;
+  // Where the backend times its events (a GPU, the timed device), a stall is measured on the
+  // device: events on the compute stream before and after its wait for a load, read once
+  // they have completed. The host does not wait there, so its own clock would see nothing.
+  struct StallTimer {
+    std::unique_ptr<Event> before, after;
+  };
+  mutable std::vector<StallTimer> stall_timers_; // recorded, not yet read
+  mutable std::vector<StallTimer> spare_timers_;
+  mutable Stats stats_;
   mutable std::mutex mutex_;
 };
 
@@ -275,9 +284,22 @@ void Engine::Impl::wait_locked(int64_t block) {
     return;
   }
   const auto start = Clock::now();
+  const bool device_timed = !current().host_waits() && backend_->times_events();
   try {
     if (current().host_waits()) {
       backend_->synchronize(*state.loaded);
+    } else if (device_timed) {
+      StallTimer timer;
+      if (spare_timers_.empty()) {
+        timer = StallTimer{backend_->make_event(), backend_->make_event()};
+      } else {
+        timer = std::move(spare_timers_.back());
+        spare_timers_.pop_back();
+      }
+      backend_->record(*timer.before, Stream::compute);
+      backend_->wait(Stream::compute, *state.loaded);
+      backend_->record(*timer.after, Stream::compute);
+      stall_timers_.push_back(std::move(timer));
     } else {
       backend_->wait(Stream::compute, *state.loaded);
     }
@@ -286,7 +308,7 @@ void Engine::Impl::wait_locked(int64_t block) {
     throw;
   }
   const double stalled = seconds_since(start);
-  stats_.stall_seconds += stalled;
+  if (!device_timed) stats_.stall_seconds += stalled;
   if (options_.trace && stalled > 0) {
     options_.trace->add(detail::concat("wait block ", block), Track::compute, start, Clock::now());
   }
@@ -536,6 +558,21 @@ void Engine::Impl::synchronize() {
   synchronize_locked();
 }
 
+// Adds the stalls whose events have completed to the stats.
+void Engine::Impl::collect_stalls() const {
+  std::size_t kept = 0;
+  for (StallTimer& timer : stall_timers_) {
+    const std::optional<double> stalled = backend_->elapsed_seconds(*timer.before, *timer.after);
+    if (stalled.has_value()) {
+      stats_.stall_seconds += std::max(0.0, *stalled);
+      spare_timers_.push_back(std::move(timer));
+    } else {
+      stall_timers_[kept++] = std::move(timer);
+    }
+  }
+  stall_timers_.resize(kept);
+}
+
 void Engine::Impl::disable() {
   std::lock_guard lock(mutex_);
   enabled_ = false;
@@ -605,11 +642,15 @@ void Engine::Impl::mark_dirty(int64_t block) {
 
 Stats Engine::Impl::stats() const {
   std::lock_guard lock(mutex_);
+  collect_stalls();
   return stats_;
 }
 
 void Engine::Impl::reset_stats() {
   std::lock_guard lock(mutex_);
+  // Stalls still in flight belong to before the reset: their timers are reused unread.
+  for (StallTimer& timer : stall_timers_) spare_timers_.push_back(std::move(timer));
+  stall_timers_.clear();
   const uint64_t device_bytes = stats_.device_bytes;
   stats_ = Stats{};
   stats_.device_bytes = device_bytes;

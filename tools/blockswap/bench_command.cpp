@@ -1,5 +1,7 @@
-// `blockswap bench`: the sweep of K on the emulated device, blockswap against the seed's own
-// schedule and the bound T* of DESIGN.md section 6, every figure from one run.
+// `blockswap bench`: blockswap against the seed's own schedule and the bound T*, every figure
+// from one run. First on the timed device (timed_bench.hpp: model geometries at several
+// copy/compute ratios, in device time), then the sweep of K on the emulated device (real
+// compute and real copies on this machine).
 #include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
@@ -17,6 +19,7 @@
 #include "blockswap/core/planner.hpp"
 #include "commands.hpp"
 #include "progress.hpp"
+#include "timed_bench.hpp"
 #include "validators.hpp"
 #include "workload.hpp"
 
@@ -26,12 +29,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using models::ReferenceTransformer;
 
-struct Row {
-  std::string mode;
-  int64_t k = 0;
-  double t_noswap = 0, t_swap = 0, t_seed = 0, t_bound = 0;
-  uint64_t h2d_bytes = 0, peak_device_bytes = 0, planned_device_bytes = 0;
-};
+using Row = BenchRow;
 
 // The bandwidth the emulated link achieves here for copies of `bytes`: the throttle, or the
 // machine's own copy speed when that is lower (DESIGN.md section 6: a faster link is fiction).
@@ -66,10 +64,13 @@ double forward_seconds(ReferenceTransformer& model, int64_t tokens) {
 void write_csv(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream file(path, std::ios::trunc);
   BLOCKSWAP_CHECK(file.is_open(), "cannot write '", path, "'");
-  file << "mode,k,t_noswap,t_swap,t_seed,t_bound,h2d_bytes,peak_device_bytes\n";
+  file << "device,model,copy_compute_ratio,mode,k,rotating_slots,t_noswap,t_swap,t_seed,t_bound,"
+          "h2d_bytes,peak_device_bytes\n";
   for (const Row& r : rows) {
-    file << r.mode << ',' << r.k << ',' << r.t_noswap << ',' << r.t_swap << ',' << r.t_seed << ','
-         << r.t_bound << ',' << r.h2d_bytes << ',' << r.peak_device_bytes << '\n';
+    file << r.device << ',' << r.model << ',' << r.copy_compute_ratio << ',' << r.mode << ','
+         << r.k << ',' << r.rotating_slots << ',' << r.t_noswap << ',' << r.t_swap << ','
+         << r.t_seed << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.peak_device_bytes
+         << '\n';
   }
   BLOCKSWAP_CHECK(file.good(), "error while writing '", path, "'");
 }
@@ -94,17 +95,74 @@ void write_plot(const std::string& path, const std::vector<Row>& rows, const std
   write_svg_plot(path, title, "K (blocks swapped)", "ms", panels);
 }
 
-} // namespace
+nlohmann::json row_json(const Row& r) {
+  return {{"device", r.device},
+          {"model", r.model},
+          {"copy_compute_ratio", r.copy_compute_ratio},
+          {"mode", r.mode},
+          {"k", r.k},
+          {"rotating_slots", r.rotating_slots},
+          {"t_noswap", r.t_noswap},
+          {"t_swap", r.t_swap},
+          {"t_seed", r.t_seed},
+          {"t_bound", r.t_bound},
+          {"t_predicted", r.t_predicted},
+          {"h2d_bytes", r.h2d_bytes},
+          {"peak_device_bytes", r.peak_device_bytes},
+          {"planned_device_bytes", r.planned_device_bytes}};
+}
 
-int bench_command(const BenchArgs& args) {
-  BLOCKSWAP_CHECK(args.blocks >= 3, "--blocks must be at least 3, got ", args.blocks);
+// The performance issue's targets for one model's timed rows: inference at ratio 1.0 with
+// K >= N/4, t_swap/T* <= 1.03 and t_seed/t_swap >= 1.5; training at ratio <= 0.8,
+// t_swap/T* <= 1.02.
+struct TimedTargets {
+  double infer_swap_over_bound = 0, infer_seed_over_swap = 1e9, train_swap_over_bound = 0;
+  double worst_prediction = 0; // |t_swap / t_predicted - 1|
+  bool met() const {
+    return infer_swap_over_bound <= 1.03 && infer_seed_over_swap >= 1.5 &&
+           train_swap_over_bound <= 1.02;
+  }
+};
+
+TimedTargets timed_targets(const std::vector<Row>& rows, const ModelShape& shape) {
+  TimedTargets t;
+  for (const Row& r : rows) {
+    if (r.model != shape.name) continue;
+    t.worst_prediction = std::max(t.worst_prediction, std::abs(r.t_swap / r.t_predicted - 1));
+    if (r.mode == "infer" && r.copy_compute_ratio == 1.0 && 4 * r.k >= shape.blocks[0]) {
+      t.infer_swap_over_bound = std::max(t.infer_swap_over_bound, r.t_swap / r.t_bound);
+      t.infer_seed_over_swap = std::min(t.infer_seed_over_swap, r.t_seed / r.t_swap);
+    }
+    if (r.mode == "train" && r.copy_compute_ratio <= 0.8) {
+      t.train_swap_over_bound = std::max(t.train_swap_over_bound, r.t_swap / r.t_bound);
+    }
+  }
+  return t;
+}
+
+void print_timed_table(const std::vector<Row>& rows, const TimedBenchOptions& options) {
+  std::printf("Timed device (device time; the same on any machine): link %.0f GB/s, %.0f us per "
+              "copy; a block's forward = its copy time / ratio; backward = %.0f x forward\n\n",
+              options.link.bytes_per_second / 1e9, options.link.latency_seconds * 1e6,
+              options.backward_factor);
+  std::printf("%-9s %5s %-5s %3s %3s %10s %10s %10s %10s %8s %9s\n", "model", "ratio", "mode",
+              "K", "R", "noswap", "blockswap", "seed", "bound T*", "swap/T*", "seed/swap");
+  for (const Row& r : rows) {
+    if (r.device != "timed") continue;
+    std::printf("%-9s %5.2f %-5s %3lld %3lld %10s %10s %10s %10s %8.3f %9.2f\n", r.model.c_str(),
+                r.copy_compute_ratio, r.mode.c_str(), static_cast<long long>(r.k),
+                static_cast<long long>(r.rotating_slots), milliseconds(r.t_noswap).c_str(),
+                milliseconds(r.t_swap).c_str(), milliseconds(r.t_seed).c_str(),
+                milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap);
+  }
+  std::printf("\n");
+}
+
+// The sweep of K on the emulated device: the reference transformer computed on this machine's
+// CPU, its copies on the emulated copy engine. Adds its facts to `info`; prints its table
+// unless --json.
+std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
   const int64_t heads = std::max<int64_t>(1, args.hidden / 64);
-  BLOCKSWAP_CHECK(args.hidden % heads == 0, "--hidden ", args.hidden,
-                  ": bench uses hidden/64 = ", heads,
-                  " heads, which do not divide it (a multiple of 64 works)");
-  // The sweep takes minutes: output files that cannot be written fail now.
-  if (!args.csv.empty()) check_writable("--csv", args.csv);
-  if (!args.plot.empty()) check_writable("--plot", args.plot);
   at::set_num_threads(1);
   const int steps = args.steps > 0 ? args.steps : (args.quick ? 8 : 20);
   const int64_t n = args.blocks;
@@ -153,7 +211,13 @@ int bench_command(const BenchArgs& args) {
       options.blocks_to_swap = k;
       options.supports_backward = train;
       options.emulated_link_gbps = args.link_gbps;
-      Row row{mode, k};
+      Row row;
+      row.device = "emulated";
+      row.model = "reference";
+      row.copy_compute_ratio = copy_seconds / compute_seconds;
+      row.mode = mode;
+      row.k = k;
+      if (!train && k > 0) row.rotating_slots = layout::default_rotating_slots(n, k);
       // The three variants take turns, step by step, so that each ratio compares steps run
       // under the same machine conditions.
       ModelOffloader swap_offloader("blocks", swapped.modules(), options);
@@ -183,7 +247,7 @@ int bench_command(const BenchArgs& args) {
   }
   progress.done();
 
-  // The targets of the performance issue, evaluated on this run.
+  // The targets of the emulated sweep, evaluated on this run.
   double worst_bound = 0, worst_seed = 1e9;
   bool peaks_exact = true;
   for (const Row& r : rows) {
@@ -194,42 +258,22 @@ int bench_command(const BenchArgs& args) {
   const std::string title =
       detail::concat("blockswap bench: ", n, " blocks of ", format_bytes(block_bytes), ", ", tokens,
                      " tokens, emulated link ", args.link_gbps, " GB/s");
-  if (!args.csv.empty()) write_csv(args.csv, rows);
-  if (!args.plot.empty()) write_plot(args.plot, rows, title);
-
-  if (args.json) {
-    nlohmann::json out_rows = nlohmann::json::array();
-    for (const Row& r : rows) {
-      out_rows.push_back({{"mode", r.mode},
-                          {"k", r.k},
-                          {"t_noswap", r.t_noswap},
-                          {"t_swap", r.t_swap},
-                          {"t_seed", r.t_seed},
-                          {"t_bound", r.t_bound},
-                          {"h2d_bytes", r.h2d_bytes},
-                          {"peak_device_bytes", r.peak_device_bytes},
-                          {"planned_device_bytes", r.planned_device_bytes}});
-    }
-    const nlohmann::json out{
-        {"blocks", n},
-        {"block_bytes", block_bytes},
-        {"tokens", tokens},
-        {"steps", steps},
-        {"link_gbps", args.link_gbps},
-        {"achieved_gbps", gbps},
-        {"block_copy_seconds", copy_seconds},
-        {"block_forward_seconds", compute_seconds},
-        {"rows", out_rows},
-        {"targets",
-         {{"max_swap_over_bound", worst_bound},
-          {"min_seed_over_swap_infer_k_ge_n_over_4", worst_seed},
-          {"peak_device_bytes_as_planned", peaks_exact}}},
-    };
-    std::cout << out.dump(2) << '\n';
-    return 0;
-  }
-  std::printf("%s\nachieved link %.1f GB/s; per block: copy %.2f ms, forward %.2f ms; median of %d "
-              "steps\n\n",
+  info = {{"blocks", n},
+          {"block_bytes", block_bytes},
+          {"tokens", tokens},
+          {"steps", steps},
+          {"link_gbps", args.link_gbps},
+          {"achieved_gbps", gbps},
+          {"block_copy_seconds", copy_seconds},
+          {"block_forward_seconds", compute_seconds},
+          {"title", title},
+          {"targets",
+           {{"max_swap_over_bound", worst_bound},
+            {"min_seed_over_swap_infer_k_ge_n_over_4", worst_seed},
+            {"peak_device_bytes_as_planned", peaks_exact}}}};
+  if (args.json) return rows;
+  std::printf("Emulated device (real compute on this CPU, real copies): %s\nachieved link %.1f "
+              "GB/s; per block: copy %.2f ms, forward %.2f ms; median of %d steps\n\n",
               title.c_str(), gbps, copy_seconds * 1e3, compute_seconds * 1e3, steps);
   std::printf("%-6s %3s %10s %10s %10s %10s %9s %9s %12s\n", "mode", "K", "noswap", "blockswap",
               "seed", "bound T*", "swap/T*", "seed/swap", "h2d/step");
@@ -240,9 +284,89 @@ int bench_command(const BenchArgs& args) {
                 milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap,
                 format_bytes(r.h2d_bytes).c_str());
   }
-  std::printf("\ntargets: max T_swap/T* = %.3f (target <= 1.10); min T_seed/T_swap for inference "
-              "with K >= N/4 = %.2f (target >= 1.5); peak device bytes as planned: %s\n",
+  std::printf("\ntargets: max T_swap/T* = %.3f; min T_seed/T_swap for inference with K >= N/4 = "
+              "%.2f; peak device bytes as planned: %s\n",
               worst_bound, worst_seed, peaks_exact ? "yes" : "NO");
+  return rows;
+}
+
+} // namespace
+
+int bench_command(const BenchArgs& args) {
+  BLOCKSWAP_CHECK(args.device == "both" || args.device == "timed" || args.device == "emulated",
+                  "--device must be timed, emulated or both, got '", args.device, "'");
+  BLOCKSWAP_CHECK(args.blocks >= 3, "--blocks must be at least 3, got ", args.blocks);
+  const int64_t heads = std::max<int64_t>(1, args.hidden / 64);
+  BLOCKSWAP_CHECK(args.hidden % heads == 0, "--hidden ", args.hidden,
+                  ": bench uses hidden/64 = ", heads,
+                  " heads, which do not divide it (a multiple of 64 works)");
+  // The sweep takes minutes: output files that cannot be written fail now.
+  if (!args.csv.empty()) check_writable("--csv", args.csv);
+  if (!args.plot.empty()) check_writable("--plot", args.plot);
+
+  std::vector<Row> rows;
+  nlohmann::json out = nlohmann::json::object();
+  if (args.device != "emulated") {
+    // The reference transformer's block: attention 4h² and MLP 8h² float32 weights.
+    const auto h = static_cast<std::size_t>(args.hidden);
+    const std::vector<ModelShape> shapes = bench_shapes(args.blocks, 12 * h * h * 4);
+    TimedBenchOptions options;
+    options.quick = args.quick;
+    Progress progress;
+    rows = timed_bench(shapes, options, [&](const std::string& what, int done, int total) {
+      progress.update("blockswap bench: timed " + what, done, total);
+    });
+    progress.done();
+    nlohmann::json targets = nlohmann::json::object();
+    bool met = true;
+    for (const ModelShape& shape : shapes) {
+      const TimedTargets t = timed_targets(rows, shape);
+      met = met && t.met();
+      targets[shape.name] = {{"infer_max_swap_over_bound", t.infer_swap_over_bound},
+                             {"infer_min_seed_over_swap", t.infer_seed_over_swap},
+                             {"train_max_swap_over_bound", t.train_swap_over_bound},
+                             {"max_prediction_error", t.worst_prediction},
+                             {"met", t.met()}};
+    }
+    out["timed"] = {{"link_gbps", options.link.bytes_per_second / 1e9},
+                    {"copy_latency_seconds", options.link.latency_seconds},
+                    {"backward_factor", options.backward_factor},
+                    {"targets", targets},
+                    {"targets_met", met}};
+    if (!args.json) {
+      print_timed_table(rows, options);
+      for (const ModelShape& shape : shapes) {
+        const TimedTargets t = timed_targets(rows, shape);
+        std::printf("targets, %s: inference at ratio 1.0, K >= N/4: max T_swap/T* = %.3f "
+                    "(<= 1.03), min T_seed/T_swap = %.2f (>= 1.5); training at ratio <= 0.8: max "
+                    "T_swap/T* = %.3f (<= 1.02); simulator vs timed device: %.2f %%%s\n",
+                    shape.name.c_str(), t.infer_swap_over_bound, t.infer_seed_over_swap,
+                    t.train_swap_over_bound, t.worst_prediction * 100,
+                    t.met() ? "" : "  MISSED");
+      }
+      std::printf("\n");
+    }
+  }
+  if (args.device != "timed") {
+    nlohmann::json info;
+    std::vector<Row> emulated = emulated_bench(args, info);
+    if (!args.plot.empty()) write_plot(args.plot, emulated, info["title"].get<std::string>());
+    rows.insert(rows.end(), emulated.begin(), emulated.end());
+    out["emulated"] = info;
+  } else if (!args.plot.empty()) {
+    std::vector<Row> reference;
+    for (const Row& r : rows) {
+      if (r.model == "reference" && r.copy_compute_ratio == 1.0) reference.push_back(r);
+    }
+    write_plot(args.plot, reference, "blockswap bench: reference shape, timed device, ratio 1.0");
+  }
+  if (!args.csv.empty()) write_csv(args.csv, rows);
+  if (args.json) {
+    nlohmann::json out_rows = nlohmann::json::array();
+    for (const Row& r : rows) out_rows.push_back(row_json(r));
+    out["rows"] = out_rows;
+    std::cout << out.dump(2) << '\n';
+  }
   return 0;
 }
 

@@ -33,6 +33,7 @@ struct PlanArgs {
 };
 
 struct BenchArgs {
+  std::string device = "both"; // timed | emulated | both
   bool quick = false;
   bool json = false;
   std::string csv;

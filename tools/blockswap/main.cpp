@@ -97,14 +97,22 @@ int main(int argc, char** argv) {
 
   BenchArgs bench;
   CLI::App* bench_cmd = app.add_subcommand(
-      "bench", "Sweep K on the emulated device: blockswap, the seed's schedule and the bound T*");
-  bench_cmd->add_flag("--quick", bench.quick, "8 measured steps per point (under two minutes)");
+      "bench", "blockswap, the seed's schedule and the bound T*: model shapes on the timed "
+               "device, then a sweep of K on the emulated device");
+  bench_cmd
+      ->add_option("--device", bench.device,
+                   "timed (device time: model shapes, copy/compute ratios), emulated (this "
+                   "machine's compute and copies) or both")
+      ->check(CLI::IsMember({"timed", "emulated", "both"}))
+      ->capture_default_str();
+  bench_cmd->add_flag("--quick", bench.quick,
+                      "timed: five K per model; emulated: 8 measured steps per point");
   bench_cmd->add_flag("--json", bench.json, "print one JSON object");
   bench_cmd->add_option("--csv", bench.csv, "also write the rows to FILE.csv");
   bench_cmd->add_option("--plot", bench.plot, "also write the plot to FILE.svg");
   bench_cmd
       ->add_option("--link-gbps", bench.link_gbps,
-                   "emulated link GB/s (0 = unlimited, else at least 0.001)")
+                   "emulated device: link GB/s (0 = unlimited, else at least 0.001)")
       ->check(link_bandwidth())
       ->capture_default_str();
   bench_cmd->add_option("--blocks", bench.blocks, "blocks")

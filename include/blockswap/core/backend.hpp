@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -118,6 +119,15 @@ public:
   // Blocks the host until `event` has completed; rethrows the error of a copy that failed
   // before it on the copy stream.
   virtual void synchronize(const Event& event) = 0;
+  // The device time from `start` to `end`, two events recorded on the compute stream, once
+  // both have completed; nullopt while they have not, or when the backend cannot time events
+  // (the emulated device: its compute stream is the host). The engine measures stalls with it.
+  // Whether elapsed_seconds can time this backend's events.
+  virtual bool times_events() const { return false; }
+  virtual std::optional<double> elapsed_seconds(const Event& /*start*/,
+                                                const Event& /*end*/) const {
+    return std::nullopt;
+  }
   virtual MemoryStats memory() const = 0;
 };
 

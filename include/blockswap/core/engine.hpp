@@ -48,7 +48,9 @@ struct Stats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
   uint64_t moves = 0;        // blocks loaded into a slot by a move (prepare not counted)
-  double stall_seconds = 0;  // time the host spent blocked waiting for loads
+  // Time computation waited for loads: measured on the device where the backend times its
+  // events (CUDA, the timed device), else the time the host spent blocked.
+  double stall_seconds = 0;
   uint64_t device_bytes = 0; // slot memory allocated now
   uint64_t peak_device_bytes = 0;
 };

@@ -1,0 +1,105 @@
+// The schedule simulator: what a step costs, on a virtual clock.
+//
+// Pure: no threads, no devices. It plays the ops of one step of one or more schedules (the
+// block lists of a model, one after another on one device) the way the engine enqueues them:
+// a compute stream that computes blocks in order, a copy stream (the link) that copies in order,
+// events between them, and, for the seed replay, a host that waits. It returns the step time,
+// the stall before each block's compute and the link's busy time; step_bound() gives the bound
+// T* that no execution of the schedule can beat (docs/performance.md, "The bound T*").
+//
+//   const blockswap::Schedule schedule({.blocks = 40, .blocks_to_swap = 20});
+//   const auto result = blockswap::simulate(schedule, blockswap::uniform_timing(40, 0.01, 1e8,
+//                                                                               {1e9}));
+//
+// The timed device (device/timed.hpp) runs the real engine on the same model of time; the
+// tests hold the two to each other.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "blockswap/core/schedule.hpp"
+
+namespace blockswap {
+
+// The link between host and device: a copy of `bytes` occupies it for latency + bytes / B.
+struct LinkModel {
+  double bytes_per_second = 25e9; // B (PCIe 4, pinned, measured: DESIGN.md section 6)
+  double latency_seconds = 0;     // per copy
+  double seconds(std::size_t bytes) const;
+};
+
+// What each block of one list costs.
+struct BlockTiming {
+  std::vector<double> forward_seconds; // per block
+  std::vector<std::size_t> bytes;      // per block: what one load moves
+  double backward_factor = 2.0;        // a block's backward takes this multiple of its forward
+};
+
+// N blocks alike: `forward_seconds` each, `bytes` each.
+BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t bytes,
+                           double backward_factor = 2.0);
+
+// One block list of a model: its schedule and its blocks' costs.
+struct SimulatedList {
+  const Schedule* schedule = nullptr;
+  const BlockTiming* timing = nullptr;
+};
+
+struct ListSimulation {
+  std::vector<double> forward_stall_seconds;  // per block: compute idle before its forward
+  std::vector<double> backward_stall_seconds; // per block (training; zeros otherwise)
+};
+
+// Forward-only, a step is one pass of a sequence of passes (a denoising loop): the loads a pass
+// starts for the next one overlap the next one's first blocks, and a link slower than the
+// compute builds a backlog over several passes. The simulator plays passes in chunks of
+// kPassesPerChunk until a chunk ends in the state the previous one ended in (relative to the
+// compute stream: the steady state), at most kMaxPasses, and reports the mean pass of the last
+// chunk; time_step() on the timed device plays the same passes.
+inline constexpr int kPassesPerChunk = 6;
+inline constexpr int kMaxPasses = 1200;
+
+struct Simulation {
+  // Training: one step from the steady state (every block the schedule starts with is loaded)
+  // to the end of its last backward, when nothing is in flight. Forward-only: one pass in the
+  // steady state of a sequence, from the end of the previous pass's last computation to the end
+  // of its own.
+  double step_seconds = 0;
+  double compute_seconds = 0;   // the compute stream busy, per step
+  double stall_seconds = 0;     // the compute stream idle before a block, per step
+  double link_busy_seconds = 0; // the copy stream busy (loads and write-backs), per step
+  std::vector<ListSimulation> lists;
+  // Forward-only: the passes played before the measured chunk of kPassesPerChunk.
+  int warmup_passes = 0;
+};
+
+// One step of `lists` on one device: every list's forward in the order given, then (training)
+// every list's backward in the reverse order. The lists must all be in the same mode.
+// Throws Error when a list's timing does not have one entry per block, or a time is negative.
+Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link);
+Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
+
+// T*: the bound that no execution of these schedules can beat, the largest of
+//   - the compute: every forward (and backward) of a step, one after another;
+//   - the link: every copy of a step, one after another;
+//   - the slots: a slot computes one block at a time, and a load into it starts only after its
+//     last occupant's compute and ends before the next one's, so the loads and computes of the
+//     blocks that pass through one slot add up. Training: the slot with the most of them in a
+//     step. Forward-only: the R rotating slots share the K+R rotating blocks, so one of them
+//     carries at least (sum of c + l over those blocks) / R per pass; and some slot holds
+//     q = ceil((K+R)/R) of them in every pass, whose q computes and q-1 loads run while the
+//     compute stream runs nothing but that list's blocks between them, every other block of
+//     the pass (other lists' too) computing outside that stretch.
+// With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.
+double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
+double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
+
+// Forward-only: the number of rotating slots R (1..N-K) whose schedule the simulator finds
+// fastest for these costs, the smaller on a tie (fewer loads). N-K = 0... returns 0 when K = 0.
+int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
+                            const LinkModel& link, Algorithm algorithm = Algorithm::blockswap);
+
+} // namespace blockswap

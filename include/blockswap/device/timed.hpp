@@ -1,0 +1,117 @@
+// TimedDevice: a device modelled in time only, for measuring the engine and its schedules the
+// same on any machine.
+//
+// It has two real streams (a compute thread and a copy thread, each running its work in order)
+// and real events between them and the host, so the engine's own synchronisation runs as it
+// does on a GPU. What the work costs is modelled, not measured: a computation enqueued with
+// compute() occupies the compute stream for the time it is given, and a copy occupies the copy
+// stream for LinkModel::seconds(bytes). No byte is copied and no memory bus is shared, so the
+// CPU it runs on does not change what it measures.
+//
+// Time is device time, in seconds from the device's creation: each stream keeps its own clock
+// (work starts when the stream is free and the host has enqueued it; an event a stream waits
+// for moves its clock to the event's time), and the host's clock runs with real time while the
+// host works between calls (the engine's overhead counts) and jumps to an event's time when
+// the host waits for it. A wait costs its model time, not the operating system's wake-up.
+//
+// Its memory is address space only: it holds no data, and reading or writing it faults. It is
+// for drivers that compute nothing (time_step below, the benchmarks), not for tensors.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/backend.hpp"
+#include "blockswap/core/simulator.hpp"
+
+namespace blockswap {
+
+class Engine;
+
+struct TimedDeviceOptions {
+  LinkModel link;
+  std::size_t capacity_bytes = std::numeric_limits<std::size_t>::max();
+};
+
+// A computation the compute stream ran.
+struct ComputeRecord {
+  int64_t tag = -1;
+  double start = 0, end = 0; // device seconds
+  double idle_before = 0;    // the stream waited this long before it (for a load, or the host)
+};
+
+class TimedDevice final : public Backend {
+public:
+  explicit TimedDevice(TimedDeviceOptions options = {});
+  ~TimedDevice() override; // finishes the work already enqueued, then stops the threads
+
+  // not copyable, not movable: the threads refer to this object's state
+  TimedDevice(const TimedDevice&) = delete;
+  TimedDevice& operator=(const TimedDevice&) = delete;
+
+  std::string name() const override;
+  Buffer allocate_host(std::size_t bytes) override;
+  Buffer allocate_device(std::size_t bytes) override;
+  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                      int64_t tag) override;
+  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                    int64_t tag) override;
+  void set_copy_observer(CopyObserver observer) override;
+  void poison(std::byte* device, std::size_t bytes) override; // nothing to poison
+  std::unique_ptr<Event> make_event() override;
+  void record(Event& event, Stream stream) override;
+  void wait(Stream stream, const Event& event) override;
+  void synchronize(const Event& event) override;
+  bool times_events() const override { return true; }
+  std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override;
+  MemoryStats memory() const override;
+
+  // Enqueues `seconds` of computation on the compute stream; `tag` names it in the log.
+  void compute(double seconds, int64_t tag = -1);
+  // The host's clock now, in device seconds.
+  double now() const;
+  // Blocks the host until both streams have run everything enqueued; returns the device time
+  // the last of that work ended (and moves the host's clock there).
+  double finish();
+  // The computations run since the last call, in order.
+  std::vector<ComputeRecord> take_compute_log();
+  // Device seconds the copy stream has spent copying.
+  double link_busy_seconds() const;
+
+  struct State;
+
+private:
+  std::shared_ptr<State> state_;
+};
+
+// One block list of a step on a timed device: an engine on the device (directly or attached
+// through a blockswap::Device) and its blocks' costs.
+struct TimedList {
+  Engine* engine = nullptr;
+  const BlockTiming* timing = nullptr;
+};
+
+struct TimedStep {
+  // As Simulation::step_seconds: training, one step; forward-only, the mean pass of a sequence.
+  double step_seconds = 0;
+  double stall_seconds = 0;     // the compute stream idle before the step's computations
+  double link_busy_seconds = 0; // per step (forward-only: approximately, see time_step)
+  std::vector<ComputeRecord> computations; // of the (measured) step(s), in order
+};
+
+// Runs the engines the way the LibTorch front end drives them, with modelled computations:
+// prepare every list; each list's blocks forward in order (enter, compute, leave); in training,
+// then each list's blocks backward in the reverse order (acquire_for_backward with the slot the
+// forward ran in, compute forward × backward_factor). Training: one step from the steady state.
+// Forward-only: `warmup_passes` passes, then kPassesPerChunk measured ones, in sequence
+// (simulator.hpp; Simulation::warmup_passes is the number the steady state needs). Tags in
+// `computations` are the block index. Throws Error when a list does not match its engine.
+TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists,
+                    int warmup_passes = kPassesPerChunk);
+
+} // namespace blockswap

@@ -1,0 +1,332 @@
+#include "blockswap/core/simulator.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap {
+namespace {
+
+void check_list(const SimulatedList& list) {
+  BLOCKSWAP_CHECK(list.schedule != nullptr && list.timing != nullptr,
+                  "simulator: a list needs a schedule and a timing");
+  const auto n = static_cast<std::size_t>(list.schedule->blocks());
+  const BlockTiming& t = *list.timing;
+  BLOCKSWAP_CHECK(t.forward_seconds.size() == n && t.bytes.size() == n, "simulator: ", n,
+                  " blocks in the schedule but ", t.forward_seconds.size(),
+                  " forward times and ", t.bytes.size(), " block sizes");
+  BLOCKSWAP_CHECK(t.backward_factor >= 0, "simulator: backward_factor must be >= 0, got ",
+                  t.backward_factor);
+  for (double s : t.forward_seconds) {
+    BLOCKSWAP_CHECK(s >= 0, "simulator: a forward time must be >= 0, got ", s);
+  }
+}
+
+void check_lists(std::span<const SimulatedList> lists, const LinkModel& link) {
+  BLOCKSWAP_CHECK(!lists.empty(), "simulator: no block list");
+  BLOCKSWAP_CHECK(link.bytes_per_second > 0 && link.latency_seconds >= 0,
+                  "simulator: the link needs bytes_per_second > 0 and latency_seconds >= 0, got ",
+                  link.bytes_per_second, " and ", link.latency_seconds);
+  for (const SimulatedList& list : lists) {
+    check_list(list);
+    BLOCKSWAP_CHECK(list.schedule->mode() == lists[0].schedule->mode(),
+                    "simulator: every list of a step must be in the same mode");
+  }
+}
+
+double compute_seconds(const BlockTiming& timing, const Op& op) {
+  const double forward = timing.forward_seconds[op.block];
+  return op.kind == Op::Kind::backward ? forward * timing.backward_factor : forward;
+}
+
+// Note [simulated engine]
+// The clock follows what the engine enqueues (engine.cpp), op by op of Schedule::pass():
+//  - a computation waits for its block's load (an event on the copy stream) and, for the seed
+//    replay, for the host, which waited for that load itself (host_waits);
+//  - a move evicts the slot's occupant: the copy stream waits for the compute stream to finish
+//    it (an event recorded after the block whose compute triggered the move); the seed replay's
+//    host waits for that too and copies the occupant back first; then the load;
+//  - a copy starts when the copy stream is free and the host has enqueued it.
+// Blocks on the device at the start of the step are loaded already (the steady state).
+class Clock {
+public:
+  explicit Clock(const LinkModel& link) : link_(link) {}
+
+  void play(const SimulatedList& list, bool backward, ListSimulation& out, double weight) {
+    const Schedule& schedule = *list.schedule;
+    const BlockTiming& timing = *list.timing;
+    const auto n = static_cast<std::size_t>(schedule.blocks());
+    if (ready_.size() < offset_ + n) ready_.resize(offset_ + n, 0.0);
+    for (const Op& op : ops(schedule, backward)) {
+      double& ready = ready_[offset_ + op.block];
+      if (op.kind == Op::Kind::move) {
+        move(schedule, timing, op, weight);
+        continue;
+      }
+      if (schedule.host_waits()) host_ = std::max(host_, ready);
+      const double start = std::max({compute_, host_, ready});
+      (backward ? out.backward_stall_seconds : out.forward_stall_seconds)[op.block] +=
+          weight * (start - compute_);
+      stall_ += weight * (start - compute_);
+      const double busy = compute_seconds(timing, op);
+      busy_compute_ += weight * busy;
+      compute_ = start + busy;
+    }
+  }
+
+  double compute_end() const { return compute_; }
+
+  // Where everything stands, relative to the compute stream: equal at the ends of two chunks
+  // means the steady state.
+  std::vector<double> relative_state() const {
+    // Anything at or before the compute stream's time waits for nothing any more: 0.
+    std::vector<double> state{std::max(0.0, copy_ - compute_), std::max(0.0, host_ - compute_)};
+    for (double ready : ready_) state.push_back(std::max(0.0, ready - compute_));
+    return state;
+  }
+
+  void reset_counters() { stall_ = busy_compute_ = busy_link_ = 0; }
+
+  // The schedule's lists take turns on one device: each list's blocks have their own entries.
+  void next_list(std::size_t blocks) { offset_ += blocks; }
+  void restart_lists() { offset_ = 0; }
+
+  Simulation result() const {
+    Simulation s;
+    s.step_seconds = std::max({compute_, copy_, host_});
+    s.compute_seconds = busy_compute_;
+    s.stall_seconds = stall_;
+    s.link_busy_seconds = busy_link_;
+    return s;
+  }
+
+private:
+  // The forward half of a step's ops, or the backward half.
+  static std::vector<Op> ops(const Schedule& schedule, bool backward) {
+    std::vector<Op> all = schedule.pass();
+    std::vector<Op> half;
+    bool in_backward = false;
+    for (const Op& op : all) {
+      if (op.kind == Op::Kind::backward) in_backward = true;
+      if (in_backward == backward) half.push_back(op);
+    }
+    return half;
+  }
+
+  void copy(std::size_t bytes, double weight) {
+    const double busy = link_.seconds(bytes);
+    copy_ = std::max(copy_, host_) + busy;
+    busy_link_ += weight * busy;
+  }
+
+  void move(const Schedule& schedule, const BlockTiming& timing, const Op& op, double weight) {
+    // The occupant's last reader is everything computed so far.
+    if (schedule.host_waits()) host_ = std::max(host_, compute_);
+    copy_ = std::max(copy_, compute_);
+    if (schedule.writes_back()) copy(timing.bytes[op.move.out], weight);
+    copy(timing.bytes[op.move.in], weight);
+    ready_[offset_ + op.move.in] = copy_;
+  }
+
+  LinkModel link_;
+  double compute_ = 0, copy_ = 0, host_ = 0;
+  double stall_ = 0, busy_compute_ = 0, busy_link_ = 0;
+  std::vector<double> ready_; // when each block's last load ends
+  std::size_t offset_ = 0;
+};
+
+// The bound's third term (step_bound in simulator.hpp).
+double slot_seconds(const SimulatedList& list, const LinkModel& link) {
+  const Schedule& schedule = *list.schedule;
+  const BlockTiming& timing = *list.timing;
+  auto load_seconds = [&](const Move& m) {
+    double seconds = link.seconds(timing.bytes[m.in]);
+    if (schedule.writes_back()) seconds += link.seconds(timing.bytes[m.out]);
+    return seconds;
+  };
+  if (schedule.mode() == Mode::forward_only) {
+    if (schedule.rotating_slots() == 0) return 0;
+    // Every block that moves in a pass is a rotating block; each computes and loads once.
+    double rotating = 0;
+    for (int64_t b = 0; b < schedule.blocks(); ++b) {
+      for (const Move& m : schedule.after_forward(b)) {
+        rotating += timing.forward_seconds[m.out] + load_seconds(m);
+      }
+    }
+    return rotating / static_cast<double>(schedule.rotating_slots());
+  }
+  std::vector<double> per_slot(static_cast<std::size_t>(schedule.slots()), 0.0);
+  for (const Op& op : schedule.pass()) {
+    if (op.slot < 0) continue;
+    per_slot[op.slot] += op.kind == Op::Kind::move ? load_seconds(op.move)
+                                                     : compute_seconds(timing, op);
+  }
+  return per_slot.empty() ? 0.0 : *std::max_element(per_slot.begin(), per_slot.end());
+}
+
+// Forward-only, a stronger slot term across lists. In every pass some rotating slot holds
+// q = ceil(M/R) of the list's M rotating blocks, every R-th one: r_j, r_{j+R}, ...,
+// r_{j+(q-1)R}. Between the start of the first one's compute and the end of the last one's,
+// the compute stream runs only blocks of this list in that index range, and the slot runs
+// those q computes and the q-1 loads between them; every other block of the pass (the other
+// lists', and this list's outside the range) computes outside that interval. Which j a pass
+// has is not known, so the least over j. Returns the pass's compute when nothing rotates.
+double chained_pass_seconds(const SimulatedList& list, double pass_compute,
+                            const LinkModel& link) {
+  const Schedule& schedule = *list.schedule;
+  const BlockTiming& timing = *list.timing;
+  std::vector<int64_t> rotating;
+  for (int64_t b = 0; b < schedule.blocks(); ++b) {
+    if (!schedule.after_forward(b).empty()) rotating.push_back(b);
+  }
+  const auto m = static_cast<int64_t>(rotating.size());
+  const int64_t r = schedule.rotating_slots();
+  if (m == 0 || r == 0) return pass_compute;
+  const int64_t q = (m + r - 1) / r;
+  double least = std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j + (q - 1) * r < m; ++j) {
+    double chain = 0;
+    for (int64_t i = 0; i < q; ++i) {
+      const int64_t b = rotating[j + i * r];
+      chain += timing.forward_seconds[b];
+      if (i > 0) chain += link.seconds(timing.bytes[b]);
+    }
+    double inside = 0; // this list's computes within the interval
+    for (int64_t b = rotating[j]; b <= rotating[j + (q - 1) * r]; ++b) {
+      inside += timing.forward_seconds[b];
+    }
+    least = std::min(least, chain + pass_compute - inside);
+  }
+  return least;
+}
+
+} // namespace
+
+double LinkModel::seconds(std::size_t bytes) const {
+  return latency_seconds + static_cast<double>(bytes) / bytes_per_second;
+}
+
+BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t bytes,
+                           double backward_factor) {
+  BLOCKSWAP_CHECK(blocks >= 0, "uniform_timing: blocks must be >= 0, got ", blocks);
+  const auto n = static_cast<std::size_t>(blocks);
+  return BlockTiming{std::vector<double>(n, forward_seconds), std::vector<std::size_t>(n, bytes),
+                     backward_factor};
+}
+
+Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link) {
+  check_lists(lists, link);
+  Clock clock(link);
+  std::vector<ListSimulation> out;
+  for (const SimulatedList& list : lists) {
+    const auto n = static_cast<std::size_t>(list.schedule->blocks());
+    out.push_back({std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)});
+  }
+  if (lists[0].schedule->mode() == Mode::forward_only) {
+    const std::vector<ListSimulation> zero = out;
+    std::vector<double> last_state;
+    int played = 0;
+    for (;;) {
+      clock.reset_counters();
+      out = zero;
+      const double chunk_start = clock.compute_end();
+      for (int pass = 0; pass < kPassesPerChunk; ++pass) {
+        clock.restart_lists();
+        for (std::size_t i = 0; i < lists.size(); ++i) {
+          clock.play(lists[i], false, out[i], 1.0 / kPassesPerChunk);
+          clock.next_list(static_cast<std::size_t>(lists[i].schedule->blocks()));
+        }
+      }
+      played += kPassesPerChunk;
+      std::vector<double> state = clock.relative_state();
+      bool steady = state.size() == last_state.size();
+      for (std::size_t i = 0; steady && i < state.size(); ++i) {
+        steady = std::abs(state[i] - last_state[i]) <= 1e-9 * (1 + std::abs(state[i]));
+      }
+      if (steady || played + kPassesPerChunk > kMaxPasses) {
+        Simulation result = clock.result();
+        result.step_seconds = (clock.compute_end() - chunk_start) / kPassesPerChunk;
+        result.lists = std::move(out);
+        result.warmup_passes = played - kPassesPerChunk;
+        return result;
+      }
+      last_state = std::move(state);
+    }
+  }
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    clock.play(lists[i], false, out[i], 1.0);
+    clock.next_list(static_cast<std::size_t>(lists[i].schedule->blocks()));
+  }
+  // Backward goes through the lists in the reverse order; each keeps its own entries.
+  std::vector<std::size_t> offsets;
+  std::size_t offset = 0;
+  for (const SimulatedList& list : lists) {
+    offsets.push_back(offset);
+    offset += static_cast<std::size_t>(list.schedule->blocks());
+  }
+  for (std::size_t i = lists.size(); i-- > 0;) {
+    clock.restart_lists();
+    clock.next_list(offsets[i]);
+    clock.play(lists[i], true, out[i], 1.0);
+  }
+  Simulation result = clock.result();
+  result.lists = std::move(out);
+  return result;
+}
+
+Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {
+  const SimulatedList list{&schedule, &timing};
+  return simulate(std::span<const SimulatedList>(&list, 1), link);
+}
+
+double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
+  check_lists(lists, link);
+  double compute = 0, copies = 0, slots = 0;
+  for (const SimulatedList& list : lists) {
+    const Schedule& schedule = *list.schedule;
+    const BlockTiming& timing = *list.timing;
+    for (const Op& op : schedule.pass()) {
+      if (op.kind != Op::Kind::move) {
+        compute += compute_seconds(timing, op);
+        continue;
+      }
+      copies += link.seconds(timing.bytes[op.move.in]);
+      if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
+    }
+    slots = std::max(slots, slot_seconds(list, link));
+  }
+  if (lists[0].schedule->mode() == Mode::forward_only) {
+    for (const SimulatedList& list : lists) {
+      slots = std::max(slots, chained_pass_seconds(list, compute, link));
+    }
+  }
+  return std::max({compute, copies, slots});
+}
+
+double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {
+  const SimulatedList list{&schedule, &timing};
+  return step_bound(std::span<const SimulatedList>(&list, 1), link);
+}
+
+int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
+                            const LinkModel& link, Algorithm algorithm) {
+  const auto n = static_cast<int64_t>(timing.forward_seconds.size());
+  Schedule::check(n, blocks_to_swap, Mode::forward_only);
+  if (blocks_to_swap == 0) return 0;
+  int64_t best = 1;
+  double best_seconds = std::numeric_limits<double>::infinity();
+  for (int64_t r = 1; r <= n - blocks_to_swap; ++r) {
+    const Schedule schedule({n, blocks_to_swap, Mode::forward_only, r, algorithm});
+    const double seconds = simulate(schedule, timing, link).step_seconds;
+    // A faster schedule must win by more than rounding: otherwise fewer loads are better.
+    if (seconds < best_seconds * (1 - 1e-9)) {
+      best = r;
+      best_seconds = seconds;
+    }
+  }
+  return best;
+}
+
+} // namespace blockswap

@@ -1,0 +1,433 @@
+#include "blockswap/device/timed.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <thread>
+
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
+
+namespace blockswap {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// One recording of an event: done once its stream reaches it, at device time `time`.
+struct Mark {
+  bool done = false;
+  double time = 0;
+};
+
+class TimedEvent final : public Event {
+public:
+  std::shared_ptr<Mark> mark = std::make_shared<Mark>(Mark{true, 0});
+};
+
+struct Task {
+  enum class Kind { busy, wait, record };
+  Kind kind = Kind::busy;
+  double enqueued = 0; // the host's clock when it was enqueued: it cannot start earlier
+  double seconds = 0;  // busy
+  int64_t tag = -1;
+  bool copy = false; // busy: a copy (else a computation)
+  bool to_device = true;
+  std::size_t bytes = 0;
+  std::shared_ptr<Mark> mark; // wait, record
+};
+
+const TimedEvent& timed(const Event& event) {
+  const auto* e = dynamic_cast<const TimedEvent*>(&event);
+  BLOCKSWAP_CHECK(e != nullptr, "timed device: the event was not made by this backend");
+  return *e;
+}
+
+// Address space that holds no data: any access faults.
+Buffer reserve(std::size_t bytes) {
+  const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
+  void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED) {
+    throw OutOfMemory(detail::concat("timed device: cannot reserve ", bytes,
+                                     " bytes of address space"));
+  }
+  return Buffer(static_cast<std::byte*>(p), bytes,
+                [size](std::byte* data, std::size_t) { munmap(data, size); });
+}
+
+} // namespace
+
+// Note [device time]
+// Each stream runs its tasks in order on its own thread and keeps its own clock, `free`: the
+// device time at which it finished its last task. A task starts at max(free, enqueued): no
+// earlier than the host enqueued it. A wait moves the clock to the awaited mark's time; a
+// record stamps its mark with the clock. The host's clock is real time since the host's last
+// wait ended, added to the device time that wait ended at: host work between calls counts,
+// the threads' own wake-ups do not. Everything is under one mutex; the threads only sleep on
+// condition variables: their own queue's, and the one for completed marks.
+struct TimedDevice::State {
+  struct StreamState {
+    std::deque<Task> queue;
+    double free = 0;
+    std::condition_variable work; // the queue grew, or stopping
+    std::thread thread;
+  };
+
+  TimedDeviceOptions options;
+  mutable std::mutex mutex;
+  std::condition_variable marked; // a mark completed
+  bool stopping = false;
+  StreamState streams[2]; // compute, copy
+  double host_base = 0;   // the host's clock at real time `host_real`
+  Clock::time_point host_real = Clock::now();
+  Clock::time_point epoch = host_real;
+  std::vector<ComputeRecord> log;
+  double link_busy = 0;
+  CopyObserver observer;
+  std::size_t device_bytes = 0, peak_device_bytes = 0;
+
+  static int index(Stream stream) { return stream == Stream::compute ? 0 : 1; }
+
+  double host_now_locked() const {
+    return host_base + std::chrono::duration<double>(Clock::now() - host_real).count();
+  }
+
+  // The host waited until device time `time` (or not at all, when it is past).
+  void host_resumes_locked(double time) {
+    const double now = host_now_locked();
+    host_base = std::max(now, time);
+    host_real = Clock::now();
+  }
+
+  void enqueue(Stream stream, Task task) {
+    {
+      std::lock_guard lock(mutex);
+      task.enqueued = host_now_locked();
+      streams[index(stream)].queue.push_back(std::move(task));
+    }
+    streams[index(stream)].work.notify_one();
+  }
+
+  void run(int s) {
+    StreamState& stream = streams[s];
+    std::unique_lock lock(mutex);
+    for (;;) {
+      stream.work.wait(lock, [&] { return stopping || !stream.queue.empty(); });
+      if (stream.queue.empty()) return; // stopping, and everything enqueued is done
+      Task& task = stream.queue.front();
+      if (task.kind == Task::Kind::wait) {
+        const std::shared_ptr<Mark> mark = task.mark;
+        marked.wait(lock, [&] { return mark->done; });
+      }
+      Task done = std::move(stream.queue.front());
+      stream.queue.pop_front();
+      execute(stream, done, lock);
+      if (done.kind == Task::Kind::record) marked.notify_all();
+    }
+  }
+
+  void execute(StreamState& stream, Task& task, std::unique_lock<std::mutex>& lock) {
+    const double start = std::max(stream.free, task.enqueued);
+    switch (task.kind) {
+    case Task::Kind::wait:
+      stream.free = std::max(start, task.mark->time);
+      break;
+    case Task::Kind::record:
+      stream.free = start;
+      task.mark->time = start;
+      task.mark->done = true;
+      break;
+    case Task::Kind::busy:
+      stream.free = start + task.seconds;
+      if (!task.copy) {
+        // The idle time before a computation: since the previous task on this stream ended.
+        log.push_back(ComputeRecord{task.tag, start, stream.free, start - last_compute_end});
+        last_compute_end = stream.free;
+        break;
+      }
+      link_busy += task.seconds;
+      if (observer) {
+        const CopyObserver notify = observer;
+        const CopyRecord record{task.to_device, task.bytes, task.tag, at(start), at(stream.free)};
+        lock.unlock();
+        notify(record);
+        lock.lock();
+      }
+      break;
+    }
+  }
+
+  Clock::time_point at(double seconds) const {
+    return epoch + std::chrono::duration_cast<Clock::duration>(
+                       std::chrono::duration<double>(seconds));
+  }
+
+  // Blocks until `mark` is done; returns its time.
+  double wait_for(const std::shared_ptr<Mark>& mark) {
+    std::unique_lock lock(mutex);
+    marked.wait(lock, [&] { return mark->done; });
+    host_resumes_locked(mark->time);
+    return mark->time;
+  }
+
+  double last_compute_end = 0;
+};
+
+TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<State>()) {
+  BLOCKSWAP_CHECK(options.link.bytes_per_second > 0 && options.link.latency_seconds >= 0,
+                  "timed device: the link needs bytes_per_second > 0 and latency_seconds >= 0, "
+                  "got ",
+                  options.link.bytes_per_second, " and ", options.link.latency_seconds);
+  state_->options = options;
+  for (int s = 0; s < 2; ++s) {
+    state_->streams[s].thread = std::thread([state = state_.get(), s] { state->run(s); });
+  }
+}
+
+TimedDevice::~TimedDevice() {
+  {
+    std::lock_guard lock(state_->mutex);
+    state_->stopping = true;
+  }
+  for (auto& stream : state_->streams) stream.work.notify_all();
+  for (auto& stream : state_->streams) stream.thread.join();
+}
+
+std::string TimedDevice::name() const {
+  return "timed";
+}
+
+Buffer TimedDevice::allocate_host(std::size_t bytes) {
+  return reserve(bytes);
+}
+
+Buffer TimedDevice::allocate_device(std::size_t bytes) {
+  const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
+  {
+    std::lock_guard lock(state_->mutex);
+    const std::size_t capacity = state_->options.capacity_bytes;
+    if (size > capacity || state_->device_bytes > capacity - size) {
+      throw OutOfMemory(detail::concat("timed device out of memory: cannot allocate ", bytes,
+                                       " bytes with ", state_->device_bytes, " of ", capacity,
+                                       " bytes in use"));
+    }
+    state_->device_bytes += size;
+    state_->peak_device_bytes = std::max(state_->peak_device_bytes, state_->device_bytes);
+  }
+  Buffer memory = reserve(bytes);
+  std::byte* data = memory.data();
+  return Buffer(data, bytes,
+                [memory = std::make_shared<Buffer>(std::move(memory)), state = state_,
+                 size](std::byte*, std::size_t) {
+                  memory->reset();
+                  std::lock_guard lock(state->mutex);
+                  state->device_bytes -= size;
+                });
+}
+
+void TimedDevice::copy_to_device(std::byte*, const std::byte*, std::size_t bytes, int64_t tag) {
+  Task task;
+  task.kind = Task::Kind::busy;
+  task.seconds = state_->options.link.seconds(bytes);
+  task.tag = tag;
+  task.copy = true;
+  task.bytes = bytes;
+  state_->enqueue(Stream::copy, std::move(task));
+}
+
+void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, int64_t tag) {
+  Task task;
+  task.kind = Task::Kind::busy;
+  task.seconds = state_->options.link.seconds(bytes);
+  task.tag = tag;
+  task.copy = true;
+  task.to_device = false;
+  task.bytes = bytes;
+  state_->enqueue(Stream::copy, std::move(task));
+}
+
+void TimedDevice::compute(double seconds, int64_t tag) {
+  BLOCKSWAP_CHECK(seconds >= 0, "timed device: a computation cannot take ", seconds, " seconds");
+  Task task;
+  task.kind = Task::Kind::busy;
+  task.seconds = seconds;
+  task.tag = tag;
+  state_->enqueue(Stream::compute, std::move(task));
+}
+
+void TimedDevice::set_copy_observer(CopyObserver observer) {
+  std::lock_guard lock(state_->mutex);
+  state_->observer = std::move(observer);
+}
+
+void TimedDevice::poison(std::byte*, std::size_t) {}
+
+std::unique_ptr<Event> TimedDevice::make_event() {
+  return std::make_unique<TimedEvent>();
+}
+
+void TimedDevice::record(Event& event, Stream stream) {
+  auto& e = const_cast<TimedEvent&>(timed(event));
+  e.mark = std::make_shared<Mark>();
+  Task task;
+  task.kind = Task::Kind::record;
+  task.mark = e.mark;
+  state_->enqueue(stream, std::move(task));
+}
+
+void TimedDevice::wait(Stream stream, const Event& event) {
+  Task task;
+  task.kind = Task::Kind::wait;
+  task.mark = timed(event).mark;
+  state_->enqueue(stream, std::move(task));
+}
+
+void TimedDevice::synchronize(const Event& event) {
+  state_->wait_for(timed(event).mark);
+}
+
+std::optional<double> TimedDevice::elapsed_seconds(const Event& start, const Event& end) const {
+  const std::shared_ptr<Mark> a = timed(start).mark, b = timed(end).mark;
+  std::lock_guard lock(state_->mutex);
+  if (!a->done || !b->done) return std::nullopt;
+  return b->time - a->time;
+}
+
+MemoryStats TimedDevice::memory() const {
+  std::lock_guard lock(state_->mutex);
+  return MemoryStats{state_->device_bytes, state_->peak_device_bytes,
+                     state_->options.capacity_bytes, false};
+}
+
+double TimedDevice::now() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->host_now_locked();
+}
+
+double TimedDevice::finish() {
+  TimedEvent compute_done, copy_done;
+  record(compute_done, Stream::compute);
+  record(copy_done, Stream::copy);
+  const double a = state_->wait_for(compute_done.mark);
+  const double b = state_->wait_for(copy_done.mark);
+  std::lock_guard lock(state_->mutex);
+  state_->host_resumes_locked(std::max(a, b));
+  return std::max(a, b);
+}
+
+std::vector<ComputeRecord> TimedDevice::take_compute_log() {
+  std::lock_guard lock(state_->mutex);
+  return std::exchange(state_->log, {});
+}
+
+double TimedDevice::link_busy_seconds() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->link_busy;
+}
+
+// time_step: the LibTorch front end's calls, with modelled computations.
+
+namespace {
+
+// One pass of every list forward: enter, compute, leave, as the front end's run_block does.
+void forward_pass(TimedDevice& device, std::span<const TimedList> lists, Compute compute,
+                  std::vector<std::vector<const Buffer*>>& computed_in) {
+  for (const TimedList& list : lists) list.engine->prepare();
+  for (std::size_t l = 0; l < lists.size(); ++l) {
+    Engine& engine = *lists[l].engine;
+    computed_in[l].clear();
+    for (int64_t b = 0; b < engine.blocks(); ++b) {
+      const Entered entered = engine.enter(b, compute);
+      computed_in[l].push_back(entered.slot.get());
+      device.compute(lists[l].timing->forward_seconds[b], b);
+      engine.leave(b, compute);
+    }
+  }
+}
+
+// Every list backward in the reverse order, as autograd runs the blocks' backward functions.
+void backward_pass(TimedDevice& device, std::span<const TimedList> lists,
+                   const std::vector<std::vector<const Buffer*>>& computed_in) {
+  for (std::size_t l = lists.size(); l-- > 0;) {
+    Engine& engine = *lists[l].engine;
+    const BlockTiming& timing = *lists[l].timing;
+    for (int64_t b = engine.blocks() - 1; b >= 0; --b) {
+      engine.acquire_for_backward(b, computed_in[l][b]);
+      device.compute(timing.forward_seconds[b] * timing.backward_factor, b);
+    }
+  }
+}
+
+} // namespace
+
+TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int warmup_passes) {
+  BLOCKSWAP_CHECK(!lists.empty(), "time_step: no block list");
+  bool training = false;
+  std::size_t blocks = 0;
+  for (const TimedList& list : lists) {
+    BLOCKSWAP_CHECK(list.engine != nullptr && list.timing != nullptr,
+                    "time_step: a list needs an engine and a timing");
+    const auto n = static_cast<std::size_t>(list.engine->blocks());
+    BLOCKSWAP_CHECK(list.timing->forward_seconds.size() == n, "time_step: the engine has ", n,
+                    " blocks but the timing ", list.timing->forward_seconds.size());
+    training = training || !list.engine->forward_only();
+    blocks += n;
+  }
+  std::vector<std::vector<const Buffer*>> computed_in(lists.size());
+  const Compute compute{.differentiable = training};
+  // From the steady state: every block the schedules start with is loaded.
+  for (const TimedList& list : lists) list.engine->prepare();
+  const double start_of_passes = device.finish();
+  device.take_compute_log();
+
+  TimedStep step;
+  if (training) {
+    const double link_before = device.link_busy_seconds();
+    const double start = device.now();
+    forward_pass(device, lists, compute, computed_in);
+    backward_pass(device, lists, computed_in);
+    step.step_seconds = device.finish() - start;
+    step.link_busy_seconds = device.link_busy_seconds() - link_before;
+    step.computations = device.take_compute_log();
+    if (!step.computations.empty()) {
+      // The first computation's idle time reaches back before the step: from its start only.
+      ComputeRecord& first = step.computations.front();
+      first.idle_before = std::max(0.0, first.start - start);
+    }
+    for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
+    return step;
+  }
+  // Forward-only: `warmup_passes`, then a measured chunk of kPassesPerChunk, the host never
+  // waiting between passes.
+  BLOCKSWAP_CHECK(warmup_passes >= 0, "time_step: warmup_passes must be >= 0, got ",
+                  warmup_passes);
+  double link_before = 0;
+  const int passes = warmup_passes + kPassesPerChunk;
+  for (int pass = 0; pass < passes; ++pass) {
+    // The copy stream's busy time so far: the warm-up passes' copies are enqueued by now, and
+    // run in a moment of real time (the copy thread does not sleep through them).
+    if (pass == warmup_passes) link_before = device.link_busy_seconds();
+    forward_pass(device, lists, compute, computed_in);
+  }
+  device.finish();
+  const std::vector<ComputeRecord> log = device.take_compute_log();
+  BLOCKSWAP_ASSERT(log.size() == blocks * static_cast<std::size_t>(passes));
+  const std::size_t first = blocks * static_cast<std::size_t>(warmup_passes);
+  const double chunk_start = first == 0 ? start_of_passes : log[first - 1].end;
+  step.step_seconds = (log.back().end - chunk_start) / kPassesPerChunk;
+  step.computations.assign(log.begin() + static_cast<std::ptrdiff_t>(first), log.end());
+  if (first == 0) {
+    ComputeRecord& c = step.computations.front();
+    c.idle_before = std::max(0.0, c.start - start_of_passes);
+  }
+  for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
+  step.stall_seconds /= kPassesPerChunk;
+  step.link_busy_seconds = (device.link_busy_seconds() - link_before) / kPassesPerChunk;
+  return step;
+}
+
+} // namespace blockswap

@@ -1,0 +1,155 @@
+// The schedule simulator and the bound T*: small cases worked by hand, and the bound against
+// the simulator for every shape.
+#include "blockswap/core/simulator.hpp"
+
+#include <gtest/gtest.h>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap {
+namespace {
+
+constexpr double kC = 1.0;         // a block's forward, seconds
+constexpr std::size_t kS = 1000;   // a block's bytes
+const LinkModel kUnitLink{1000.0}; // one block per second: l = c
+
+TEST(Simulator, NothingSwappedIsPureCompute) {
+  const Schedule s({8, 0, Mode::training});
+  const Simulation r = simulate(s, uniform_timing(8, kC, kS, 2.0), kUnitLink);
+  EXPECT_DOUBLE_EQ(r.step_seconds, 8 * 3.0);
+  EXPECT_DOUBLE_EQ(r.compute_seconds, 24.0);
+  EXPECT_DOUBLE_EQ(r.stall_seconds, 0);
+  EXPECT_DOUBLE_EQ(r.link_busy_seconds, 0);
+}
+
+TEST(Simulator, OneSlotCannotOverlap) {
+  // N=4, K=3 forward-only: one slot, every block loads after the previous one computed.
+  const Schedule s({4, 3, Mode::forward_only});
+  ASSERT_EQ(s.rotating_slots(), 1);
+  const BlockTiming t = uniform_timing(4, kC, kS);
+  const Simulation r = simulate(s, t, kUnitLink);
+  EXPECT_DOUBLE_EQ(r.step_seconds, 4 * (kC + 1.0)); // N·(c + l)
+  EXPECT_DOUBLE_EQ(step_bound(s, t, kUnitLink), 4 * (kC + 1.0));
+  EXPECT_DOUBLE_EQ(r.link_busy_seconds, 4.0);
+  // Every block waits for its own load, block 0 too: the previous pass loads it last.
+  for (int b = 0; b < 4; ++b) EXPECT_DOUBLE_EQ(r.lists[0].forward_stall_seconds[b], 1.0);
+}
+
+TEST(Simulator, TwoSlotsGiveEachLoadOneBlockOfCompute) {
+  // N=6, K=4, R=2: blocks alternate between two slots; each load hides behind one compute.
+  const Schedule s({6, 4, Mode::forward_only, 2});
+  const BlockTiming t = uniform_timing(6, kC, kS);
+  const Simulation r = simulate(s, t, kUnitLink);
+  // Each load runs during the previous block's compute, those of blocks 0 and 1 for the next
+  // pass during blocks 5 and 0: a pass takes its compute and nothing more.
+  EXPECT_DOUBLE_EQ(r.stall_seconds, 0);
+  EXPECT_DOUBLE_EQ(r.step_seconds, 6.0);
+  EXPECT_DOUBLE_EQ(step_bound(s, t, kUnitLink), 6.0);
+}
+
+TEST(Simulator, SlowLinkIsLinkBound) {
+  // l = 3c: the link carries K+R = 4 loads per pass, 12 s, more than the 8 s of compute.
+  const Schedule s({8, 2, Mode::forward_only, 2});
+  const BlockTiming t = uniform_timing(8, kC, kS);
+  const LinkModel slow{1000.0 / 3};
+  const Simulation r = simulate(s, t, slow);
+  EXPECT_DOUBLE_EQ(step_bound(s, t, slow), 12.0);
+  EXPECT_GE(r.step_seconds, 12.0);
+  EXPECT_NEAR(r.link_busy_seconds, 12.0, 1e-9);
+}
+
+TEST(Simulator, LatencyCountsPerCopy) {
+  const Schedule s({4, 3, Mode::forward_only});
+  const LinkModel link{1000.0, 0.25};
+  EXPECT_DOUBLE_EQ(simulate(s, uniform_timing(4, kC, kS), link).step_seconds, 4 * (1 + 1.25));
+}
+
+TEST(Simulator, SeedReplayWaitsOnTheHostAndCopiesBack) {
+  // N=3, K=1 training, the seed: forward of block 0, then block 0 copies back (1 s) and block 2
+  // loads (1 s), the host waiting for the compute first; block 1 computes meanwhile.
+  const Schedule seed({3, 1, Mode::training, 0, Algorithm::seed});
+  const Schedule ours({3, 1, Mode::training});
+  const BlockTiming t = uniform_timing(3, kC, kS, 2.0);
+  const Simulation s = simulate(seed, t, kUnitLink);
+  const Simulation o = simulate(ours, t, kUnitLink);
+  EXPECT_DOUBLE_EQ(s.link_busy_seconds, 4.0); // 2 loads, 2 write-backs
+  EXPECT_DOUBLE_EQ(o.link_busy_seconds, 2.0);
+  EXPECT_GT(s.step_seconds, o.step_seconds);
+}
+
+TEST(Simulator, BackwardCostsItsFactor) {
+  const Schedule s({5, 0, Mode::training});
+  EXPECT_DOUBLE_EQ(simulate(s, uniform_timing(5, 0.5, kS, 3.0), kUnitLink).step_seconds,
+                   5 * 0.5 * 4.0);
+}
+
+TEST(Simulator, TwoListsShareTheLinkAndTheComputeStream) {
+  const Schedule a({4, 2, Mode::training}), b({6, 3, Mode::training});
+  const BlockTiming ta = uniform_timing(4, 2.0, 2 * kS), tb = uniform_timing(6, kC, kS);
+  const SimulatedList lists[] = {{&a, &ta}, {&b, &tb}};
+  const Simulation both = simulate(lists, kUnitLink);
+  const Simulation alone_a = simulate(a, ta, kUnitLink), alone_b = simulate(b, tb, kUnitLink);
+  EXPECT_DOUBLE_EQ(both.compute_seconds, alone_a.compute_seconds + alone_b.compute_seconds);
+  EXPECT_DOUBLE_EQ(both.link_busy_seconds,
+                   alone_a.link_busy_seconds + alone_b.link_busy_seconds);
+  EXPECT_GE(both.step_seconds, std::max(alone_a.step_seconds, alone_b.step_seconds));
+  EXPECT_GE(both.step_seconds, step_bound(lists, kUnitLink) - 1e-9);
+  ASSERT_EQ(both.lists.size(), 2u);
+  EXPECT_EQ(both.lists[1].backward_stall_seconds.size(), 6u);
+}
+
+// The bound is a bound: for every shape, both modes, both algorithms, several link speeds,
+// the simulated step is never faster. And where the link is fast, the bound is the compute.
+TEST(Simulator, NeverBeatsTheBound) {
+  for (int64_t n = 1; n <= 48; ++n) {
+    for (Mode mode : {Mode::forward_only, Mode::training}) {
+      for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
+        for (Algorithm algorithm : {Algorithm::blockswap, Algorithm::seed}) {
+          const Schedule s({n, k, mode, 0, algorithm});
+          const BlockTiming t = uniform_timing(n, kC, kS, 2.0);
+          for (double ratio : {0.5, 1.0, 1.5}) {
+            const LinkModel link{1000.0 / ratio, 0.01};
+            const double bound = step_bound(s, t, link);
+            const Simulation r = simulate(s, t, link);
+            ASSERT_GE(r.step_seconds, bound * (1 - 1e-9))
+                << s.describe() << " ratio " << ratio;
+            ASSERT_GE(bound, r.compute_seconds * (1 - 1e-9));
+            // A step is its computations and the waits before them: nothing after.
+            ASSERT_NEAR(r.step_seconds, r.compute_seconds + r.stall_seconds, 1e-9)
+                << s.describe() << " ratio " << ratio;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(Simulator, BestRotatingSlotsIsTheFastest) {
+  const BlockTiming t = uniform_timing(24, kC, kS);
+  for (int64_t k : {1, 6, 12, 20}) {
+    const int64_t best = best_rotating_slots(k, t, kUnitLink);
+    ASSERT_GE(best, 1);
+    ASSERT_LE(best, 24 - k);
+    const double fastest = simulate(Schedule({24, k, Mode::forward_only, best}), t, kUnitLink)
+                               .step_seconds;
+    for (int64_t r = 1; r <= 24 - k; ++r) {
+      EXPECT_LE(fastest,
+                simulate(Schedule({24, k, Mode::forward_only, r}), t, kUnitLink).step_seconds +
+                    1e-9);
+    }
+  }
+  EXPECT_EQ(best_rotating_slots(0, t, kUnitLink), 0);
+}
+
+TEST(Simulator, RejectsTimingThatDoesNotFit) {
+  const Schedule s({4, 1, Mode::forward_only});
+  EXPECT_THROW(simulate(s, uniform_timing(3, kC, kS), kUnitLink), Error);
+  BlockTiming negative = uniform_timing(4, kC, kS);
+  negative.forward_seconds[2] = -1;
+  EXPECT_THROW(simulate(s, negative, kUnitLink), Error);
+  EXPECT_THROW(simulate(s, uniform_timing(4, kC, kS), LinkModel{0}), Error);
+  EXPECT_THROW(step_bound(s, uniform_timing(4, kC, kS), LinkModel{-5}), Error);
+}
+
+} // namespace
+} // namespace blockswap
