@@ -1,5 +1,6 @@
 #include "blockswap/core/planner.hpp"
 
+#include <algorithm>
 #include <limits>
 
 #include "blockswap/core/error.hpp"
@@ -27,6 +28,97 @@ ListFacts facts(const std::vector<std::size_t>& blocks, Mode mode) {
   return f;
 }
 
+// A plan is better when it moves fewer bytes, or as few and uses more of the budget.
+struct Score {
+  std::size_t moved = 0, device = 0;
+  bool better_than(const Score& other) const {
+    return moved < other.moved || (moved == other.moved && device > other.device);
+  }
+};
+
+// How many slots of `slot_bytes` fit `room`, at most `blocks` (slots of empty blocks take none).
+int64_t slots_in(std::size_t room, std::size_t slot_bytes, int64_t blocks) {
+  if (slot_bytes == 0) return blocks;
+  return static_cast<int64_t>(std::min<std::size_t>(room / slot_bytes,
+                                                    static_cast<std::size_t>(blocks)));
+}
+
+std::size_t device_of(const std::vector<std::size_t>& list, const ListFacts& f, int64_t k) {
+  return static_cast<std::size_t>(layout::slot_count(static_cast<int64_t>(list.size()), k)) *
+         f.slot_bytes;
+}
+
+// The best K for lists i and j together, the others' slots taking `others` of `budget`: for
+// each K of list i, the smallest K of list j that fits (moved bytes never fall as K grows, and
+// the smallest K holds the most). Exact. Leaves k unchanged when nothing fits.
+void best_pair(std::span<const std::vector<std::size_t>> lists, const std::vector<ListFacts>& f,
+               std::size_t budget, std::size_t others, std::size_t i, std::size_t j,
+               std::vector<int64_t>& k) {
+  Score best{std::numeric_limits<std::size_t>::max(), 0};
+  std::vector<int64_t> chosen = k;
+  const auto nj = static_cast<int64_t>(lists[j].size());
+  for (int64_t ki = 0; ki <= f[i].max_k; ++ki) {
+    const std::size_t di = device_of(lists[i], f[i], ki);
+    if (others + di > budget) continue;
+    const std::size_t room = budget - others - di;
+    const auto fitting = slots_in(room, f[j].slot_bytes, nj); // slots of list j
+    const int64_t kj = std::max<int64_t>(0, nj - fitting);
+    if (kj > f[j].max_k) continue;
+    const Score score{f[i].moved[ki] + f[j].moved[kj], di + device_of(lists[j], f[j], kj)};
+    if (score.better_than(best)) {
+      best = score;
+      chosen[i] = ki;
+      chosen[j] = kj;
+    }
+  }
+  k = chosen;
+}
+
+// The K of every list. One list: the smallest K that fits. Two: exact (best_pair). More: from
+// every list at its largest K (the smallest plan, which fits), each pair of lists in turn is
+// made optimal with the others fixed, round after round until no pair improves (at most 64
+// rounds): a plan no change to one or two lists can better, in time polynomial in the lists
+// and blocks, where the exhaustive search is exponential in the number of lists.
+std::vector<int64_t> search(std::span<const std::vector<std::size_t>> lists,
+                            const std::vector<ListFacts>& f, std::size_t budget) {
+  const std::size_t g = lists.size();
+  std::vector<int64_t> k(g);
+  for (std::size_t i = 0; i < g; ++i) k[i] = f[i].max_k;
+  auto device = [&](const std::vector<int64_t>& ks, std::size_t skip_a, std::size_t skip_b) {
+    std::size_t total = 0;
+    for (std::size_t i = 0; i < g; ++i) {
+      if (i != skip_a && i != skip_b) total += device_of(lists[i], f[i], ks[i]);
+    }
+    return total;
+  };
+  if (g == 1) {
+    const auto n = static_cast<int64_t>(lists[0].size());
+    const int64_t fitting = slots_in(budget, f[0].slot_bytes, n);
+    k[0] = std::max<int64_t>(0, n - fitting);
+    return k;
+  }
+  auto score = [&](const std::vector<int64_t>& ks) {
+    Score s{0, device(ks, g, g)};
+    for (std::size_t i = 0; i < g; ++i) s.moved += f[i].moved[ks[i]];
+    return s;
+  };
+  for (int round = 0; round < 64; ++round) {
+    bool improved = false;
+    for (std::size_t i = 0; i < g; ++i) {
+      for (std::size_t j = i + 1; j < g; ++j) {
+        std::vector<int64_t> trial = k;
+        best_pair(lists, f, budget, device(k, i, j), i, j, trial);
+        if (score(trial).better_than(score(k))) {
+          k = trial;
+          improved = true;
+        }
+      }
+    }
+    if (!improved || g == 2) break;
+  }
+  return k;
+}
+
 } // namespace
 
 std::size_t smallest_budget(std::span<const std::vector<std::size_t>> lists, Mode mode,
@@ -51,37 +143,50 @@ SwapPlan plan_swaps(std::span<const std::vector<std::size_t>> lists, std::size_t
                   "works is ",
                   smallest, " bytes");
 
-  // A handful of lists of tens of blocks each: search every combination of K, pruned.
-  const std::size_t g = lists.size();
-  std::vector<int64_t> k(g, 0), best;
-  std::size_t best_moved = std::numeric_limits<std::size_t>::max(), best_device = 0;
-  auto search = [&](auto&& self, std::size_t i, std::size_t device, std::size_t moved) -> void {
-    if (device > budget_bytes || moved > best_moved) return;
-    if (i == g) {
-      if (moved < best_moved || device > best_device) {
-        best = k;
-        best_moved = moved;
-        best_device = device;
-      }
-      return;
-    }
-    const auto n = static_cast<int64_t>(lists[i].size());
-    for (k[i] = 0; k[i] <= f[i].max_k; ++k[i]) {
-      self(self, i + 1, device + static_cast<std::size_t>(layout::slot_count(n, k[i])) * f[i].slot_bytes,
-           moved + f[i].moved[k[i]]);
-    }
-  };
-  search(search, 0, fixed_bytes, 0);
-  BLOCKSWAP_ASSERT(!best.empty(), "no plan although the budget covers the smallest one");
-
+  const std::vector<int64_t> best = search(lists, f, budget_bytes - fixed_bytes);
   SwapPlan plan{{}, fixed_bytes, 0};
-  for (std::size_t i = 0; i < g; ++i) {
+  for (std::size_t i = 0; i < lists.size(); ++i) {
     const ListPlan p{best[i], layout::slot_device_bytes(lists[i], best[i]), f[i].moved[best[i]]};
     plan.device_bytes += p.device_bytes;
     plan.moved_bytes += p.moved_bytes;
     plan.lists.push_back(p);
   }
   return plan;
+}
+
+SwapPlan plan_for(std::span<const std::vector<std::size_t>> lists, std::span<const int64_t> ks,
+                  Mode mode, std::size_t fixed_bytes) {
+  BLOCKSWAP_CHECK(lists.size() == ks.size() && !lists.empty(),
+                  "plan_for: one K per block list, and at least one list");
+  SwapPlan plan{{}, fixed_bytes, 0};
+  for (std::size_t i = 0; i < lists.size(); ++i) {
+    const ListFacts f = facts(lists[i], mode);
+    Schedule::check(static_cast<int64_t>(lists[i].size()), ks[i], mode);
+    const ListPlan p{ks[i], layout::slot_device_bytes(lists[i], ks[i]), f.moved[ks[i]]};
+    plan.device_bytes += p.device_bytes;
+    plan.moved_bytes += p.moved_bytes;
+    plan.lists.push_back(p);
+  }
+  return plan;
+}
+
+std::vector<std::vector<int64_t>> budget_frontier(std::span<const std::vector<std::size_t>> lists,
+                                                  std::size_t budget_bytes, Mode mode,
+                                                  std::size_t fixed_bytes) {
+  BLOCKSWAP_CHECK(lists.size() == 1 || lists.size() == 2,
+                  "budget_frontier: one or two block lists, got ", lists.size());
+  const SwapPlan best = plan_swaps(lists, budget_bytes, mode, fixed_bytes); // checks the budget
+  if (lists.size() == 1) return {{best.lists[0].blocks_to_swap}};
+  const ListFacts a = facts(lists[0], mode), b = facts(lists[1], mode);
+  const auto nb = static_cast<int64_t>(lists[1].size());
+  std::vector<std::vector<int64_t>> frontier;
+  for (int64_t ka = 0; ka <= a.max_k; ++ka) {
+    const std::size_t used = fixed_bytes + device_of(lists[0], a, ka);
+    if (used > budget_bytes) continue;
+    const int64_t kb = std::max<int64_t>(0, nb - slots_in(budget_bytes - used, b.slot_bytes, nb));
+    if (kb <= b.max_k) frontier.push_back({ka, kb});
+  }
+  return frontier;
 }
 
 int64_t plan_blocks_to_swap(std::span<const std::size_t> block_bytes, std::size_t budget_bytes,

@@ -2,9 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <random>
 #include <vector>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
+#include "blockswap/core/schedule.hpp"
+#include <limits>
 
 namespace blockswap {
 namespace {
@@ -28,6 +33,122 @@ TEST(Planner, BudgetTooSmallNamesTheSmallestThatWorks) {
         << e.what();
   }
   EXPECT_THROW(plan_blocks_to_swap(std::vector<std::size_t>{}, 1 << 20, Mode::training), Error);
+}
+
+// Every combination of K, for checking the search.
+SwapPlan brute_force(const std::vector<std::vector<std::size_t>>& lists, std::size_t budget,
+                     Mode mode) {
+  SwapPlan best{{}, 0, std::numeric_limits<std::size_t>::max()};
+  std::vector<int64_t> k(lists.size(), 0);
+  auto visit = [&](auto&& self, std::size_t i) -> void {
+    if (i == lists.size()) {
+      SwapPlan p{{}, 0, 0};
+      for (std::size_t l = 0; l < lists.size(); ++l) {
+        const int64_t n = static_cast<int64_t>(lists[l].size());
+        const Schedule s({n, k[l], mode});
+        std::size_t total = 0;
+        for (std::size_t b : lists[l]) total += b;
+        p.device_bytes += layout::slot_device_bytes(lists[l], k[l]);
+        p.moved_bytes += static_cast<std::size_t>(s.loads_per_pass()) * (total / lists[l].size());
+      }
+      if (p.device_bytes <= budget &&
+          (p.moved_bytes < best.moved_bytes ||
+           (p.moved_bytes == best.moved_bytes && p.device_bytes > best.device_bytes))) {
+        best = p;
+      }
+      return;
+    }
+    const int64_t n = static_cast<int64_t>(lists[i].size());
+    for (k[i] = 0; k[i] <= Schedule::max_blocks_to_swap(n, mode); ++k[i]) self(self, i + 1);
+  };
+  visit(visit, 0);
+  return best;
+}
+
+std::vector<std::vector<std::size_t>> random_lists(std::mt19937& rng, int groups) {
+  std::vector<std::vector<std::size_t>> lists;
+  for (int g = 0; g < groups; ++g) {
+    const auto n = std::uniform_int_distribution<std::size_t>(2, 9)(rng);
+    const std::size_t bytes = 256 * std::uniform_int_distribution<std::size_t>(1, 40)(rng);
+    lists.emplace_back(n, bytes);
+  }
+  return lists;
+}
+
+TEST(Planner, TwoListsAreExact) {
+  std::mt19937 rng(7);
+  for (int trial = 0; trial < 300; ++trial) {
+    const auto lists = random_lists(rng, 2);
+    for (Mode mode : {Mode::forward_only, Mode::training}) {
+      const std::size_t smallest = smallest_budget(lists, mode);
+      const std::size_t budget =
+          smallest + std::uniform_int_distribution<std::size_t>(0, 20 * 256 * 40)(rng);
+      const SwapPlan plan = plan_swaps(lists, budget, mode);
+      const SwapPlan best = brute_force(lists, budget, mode);
+      ASSERT_EQ(plan.moved_bytes, best.moved_bytes) << "trial " << trial;
+      ASSERT_EQ(plan.device_bytes, best.device_bytes) << "trial " << trial;
+      ASSERT_LE(plan.device_bytes, budget);
+      // The frontier holds every plan that fits and no other betters; the best among them.
+      bool holds_best = false;
+      for (const std::vector<int64_t>& ks : budget_frontier(lists, budget, mode)) {
+        const SwapPlan p = plan_for(lists, ks, mode);
+        ASSERT_LE(p.device_bytes, budget);
+        ASSERT_GE(p.moved_bytes, plan.moved_bytes);
+        holds_best = holds_best || (p.moved_bytes == plan.moved_bytes &&
+                                    p.device_bytes == plan.device_bytes);
+      }
+      ASSERT_TRUE(holds_best) << "trial " << trial;
+    }
+  }
+}
+
+// More lists: the plan fits, no change of one or two lists' K betters it, and on small random
+// models it is the exhaustive search's answer.
+TEST(Planner, ManyListsArePairwiseOptimalAndMatchTheExhaustiveSearch) {
+  std::mt19937 rng(11);
+  int exact = 0, trials = 0;
+  for (int trial = 0; trial < 100; ++trial) {
+    const auto lists = random_lists(rng, 3 + trial % 2);
+    const Mode mode = trial % 3 == 0 ? Mode::forward_only : Mode::training;
+    const std::size_t budget = smallest_budget(lists, mode) +
+                               std::uniform_int_distribution<std::size_t>(0, 30 * 256 * 40)(rng);
+    const SwapPlan plan = plan_swaps(lists, budget, mode);
+    ASSERT_LE(plan.device_bytes, budget);
+    const SwapPlan best = brute_force(lists, budget, mode);
+    ASSERT_GE(plan.moved_bytes, best.moved_bytes);
+    ++trials;
+    exact += plan.moved_bytes == best.moved_bytes ? 1 : 0;
+    // Pairwise optimal: plan any two lists again, the others fixed, and nothing improves.
+    for (std::size_t i = 0; i < lists.size(); ++i) {
+      for (std::size_t j = i + 1; j < lists.size(); ++j) {
+        std::size_t others = 0;
+        for (std::size_t l = 0; l < lists.size(); ++l) {
+          if (l != i && l != j) others += plan.lists[l].device_bytes;
+        }
+        const SwapPlan pair = plan_swaps(std::vector{lists[i], lists[j]}, budget, mode, others);
+        ASSERT_GE(pair.moved_bytes, plan.lists[i].moved_bytes + plan.lists[j].moved_bytes);
+      }
+    }
+  }
+  EXPECT_GE(exact, trials * 9 / 10) << exact << " of " << trials << " exhaustive answers";
+}
+
+TEST(Planner, TwelveGroupsOfTwelveBlocksPlanInUnderASecond) {
+  std::vector<std::vector<std::size_t>> lists;
+  for (int g = 0; g < 12; ++g) lists.emplace_back(12, std::size_t{100'000'000} + g * 7'000'000);
+  for (Mode mode : {Mode::forward_only, Mode::training}) {
+    const std::size_t smallest = smallest_budget(lists, mode);
+    for (std::size_t extra : {std::size_t{0}, std::size_t{3'000'000'000},
+                              std::size_t{9'000'000'000}}) {
+      const auto start = std::chrono::steady_clock::now();
+      const SwapPlan plan = plan_swaps(lists, smallest + extra, mode);
+      const double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      EXPECT_LT(seconds, 1.0);
+      EXPECT_LE(plan.device_bytes, smallest + extra);
+      ASSERT_EQ(plan.lists.size(), 12u);
+    }
+  }
 }
 
 } // namespace

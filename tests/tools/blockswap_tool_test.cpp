@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -247,6 +248,68 @@ TEST(Plan, BudgetTooSmallNamesTheSmallestThatWorks) {
   const Result bad = run_tool("plan " + model.string() + " --budget twelve");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("size 'twelve'"), std::string::npos) << bad.err;
+}
+
+// The prediction: on the FLUX- and Wan-shaped files, in both modes, the simulator's step time
+// against no swapping. A fast link hides every load; a slow one does not.
+TEST(Plan, PredictsTheStepTimeAndTheRotatingSlots) {
+  const fs::path flux = scratch() / "flux-predict.safetensors";
+  const fs::path wan = scratch() / "wan-predict.safetensors";
+  write_sparse_model(flux, flux_tensors(), "BF16", 2);
+  write_sparse_model(wan, wan_tensors(), "BF16", 2);
+  for (const fs::path& model : {flux, wan}) {
+    for (const std::string mode : {"train", "infer"}) {
+      const Result fast = run_tool("plan " + model.string() + " --budget 12GiB --mode " + mode +
+                                   " --block-ms 40 --link-gbps 50 --json");
+      ASSERT_EQ(fast.exit_code, 0) << fast.err;
+      const json f = json::parse(fast.out);
+      ASSERT_EQ(f["rotating_slots"].size(), f["groups"].size());
+      EXPECT_NEAR(f["predicted_overhead"].get<double>(), 0.0, 0.01) << model << " " << mode;
+      EXPECT_GE(f["predicted_step_seconds"].get<double>(),
+                f["predicted_noswap_seconds"].get<double>());
+      for (const json& g : f["groups"]) {
+        const bool rotates = mode == "infer" && g["blocks_to_swap"].get<int64_t>() > 0;
+        EXPECT_EQ(g["rotating_slots"].get<int64_t>() > 0, rotates) << g.dump();
+      }
+      const Result slow = run_tool("plan " + model.string() + " --budget 12GiB --mode " + mode +
+                                   " --tflops 400 --tokens 4096 --link-gbps 4 --json");
+      ASSERT_EQ(slow.exit_code, 0) << slow.err;
+      const json w = json::parse(slow.out);
+      EXPECT_GT(w["predicted_overhead"].get<double>(), 0.05) << model << " " << mode;
+      EXPECT_EQ(w["compute"]["tokens"], 4096);
+    }
+    const Result table = run_tool("plan " + model.string() + " --budget 12GiB --mode infer");
+    EXPECT_NE(table.out.find("predicted pass"), std::string::npos) << table.out;
+    EXPECT_NE(table.out.find("rotating slots"), std::string::npos) << table.out;
+  }
+  const Result bad = run_tool("plan " + wan.string() + " --budget 12GiB --block-ms -1");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--block-ms"), std::string::npos) << bad.err;
+}
+
+// Twelve groups of twelve blocks: the search is polynomial (an exhaustive one did not finish in
+// two minutes), and the prediction too.
+TEST(Plan, TwelveGroupsPlanInUnderASecond) {
+  std::vector<Tensor> tensors;
+  for (int g = 0; g < 12; ++g) {
+    for (int i = 0; i < 12; ++i) {
+      tensors.push_back({"group" + std::to_string(g) + ".layers." + std::to_string(i) + ".weight",
+                         {2048 + 128 * g, 2048}});
+    }
+  }
+  const fs::path model = scratch() / "twelve-groups.safetensors";
+  write_sparse_model(model, tensors, "BF16", 2);
+  for (const std::string mode : {"train", "infer"}) {
+    const auto start = std::chrono::steady_clock::now();
+    const Result r = run_tool("plan " + model.string() + " --budget 300MiB --mode " + mode +
+                              " --json");
+    const double seconds = seconds_since(start) - startup_seconds();
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_LT(seconds, 1.0);
+    const json plan = json::parse(r.out);
+    EXPECT_EQ(plan["groups"].size(), 12u);
+    EXPECT_LE(plan["device_bytes"].get<uint64_t>(), 300ull << 20);
+  }
 }
 
 void write_raw(const fs::path& path, const std::string& json_text, std::size_t data,
@@ -678,4 +741,28 @@ TEST(Weights, TrainingOnWeightsWithoutAdaptersAddsThem) {
     EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
   }
 }
+// The timed device's table: every model shape, ratio and mode, the performance targets met, and
+// the simulator's prediction within 2 % of every measurement.
+TEST(Bench, TimedDeviceQuickMeetsTheTargets) {
+  const Result r = run_tool("bench --device timed --quick --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  std::set<std::string> models;
+  std::set<double> ratios;
+  for (const json& row : out["rows"]) {
+    for (const char* key : {"device", "model", "copy_compute_ratio", "mode", "k", "t_noswap",
+                            "t_swap", "t_seed", "t_bound"}) {
+      ASSERT_TRUE(row.contains(key)) << key;
+    }
+    EXPECT_EQ(row["device"], "timed");
+    models.insert(row["model"].get<std::string>());
+    ratios.insert(row["copy_compute_ratio"].get<double>());
+    EXPECT_GE(row["t_swap"].get<double>(), row["t_bound"].get<double>() * (1 - 1e-6)) << row;
+    EXPECT_NEAR(row["t_swap"].get<double>() / row["t_predicted"].get<double>(), 1.0, 0.02) << row;
+  }
+  EXPECT_EQ(models, (std::set<std::string>{"reference", "flux", "wan14b"}));
+  EXPECT_EQ(ratios.size(), 4u);
+  EXPECT_TRUE(out["timed"]["targets_met"].get<bool>()) << out["timed"]["targets"].dump(2);
+}
+
 } // namespace

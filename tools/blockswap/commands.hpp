@@ -30,6 +30,12 @@ struct PlanArgs {
   std::string budget;
   std::string mode = "train";
   bool json = false;
+  // The prediction: the link, and a block's forward either given (the largest block's, others
+  // in proportion to their bytes) or from the device's throughput and the tokens per step.
+  double link_gbps = 25;
+  double block_ms = 0; // 0: from --tflops and --tokens
+  double tflops = 100;
+  int64_t tokens = 4096;
 };
 
 struct BenchArgs {

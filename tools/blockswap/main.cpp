@@ -94,6 +94,25 @@ int main(int argc, char** argv) {
       ->required();
   plan_cmd->add_option("--mode", plan.mode, "train or infer")->capture_default_str();
   plan_cmd->add_flag("--json", plan.json, "print one JSON object");
+  plan_cmd
+      ->add_option("--link-gbps", plan.link_gbps,
+                   "prediction: host-to-device GB/s (PCIe 4 pinned measures about 25)")
+      ->check(CLI::Range(kMinLinkGbps, 1e6))
+      ->capture_default_str();
+  plan_cmd
+      ->add_option("--block-ms", plan.block_ms,
+                   "prediction: the forward of the largest block, in ms (others in proportion "
+                   "to their bytes); default: from --tflops and --tokens")
+      ->check(CLI::Range(1e-6, 1e9));
+  plan_cmd
+      ->add_option("--tflops", plan.tflops,
+                   "prediction: the device's sustained TFLOP/s (a block's forward = 2 x its "
+                   "parameters x --tokens FLOPs)")
+      ->check(CLI::Range(1e-6, 1e9))
+      ->capture_default_str();
+  plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
+      ->check(integer_in<int64_t>(1, int64_t{1} << 40))
+      ->capture_default_str();
 
   BenchArgs bench;
   CLI::App* bench_cmd = app.add_subcommand(

@@ -67,33 +67,6 @@ double simulated_seconds(const ModelShape& shape, const std::vector<BlockTiming>
   return bound ? step_bound(lists, link) : simulate(lists, link).step_seconds;
 }
 
-// Forward-only: the rotating slots of each list that the simulator finds fastest, one list at
-// a time (twice round), starting from the default.
-std::vector<int64_t> best_rotation(const ModelShape& shape, const std::vector<BlockTiming>& timings,
-                                   const std::vector<int64_t>& ks, const LinkModel& link) {
-  Config config{ks, std::vector<int64_t>(ks.size(), 0)};
-  for (std::size_t l = 0; l < ks.size(); ++l) {
-    config.rs[l] = ks[l] == 0 ? 0 : layout::default_rotating_slots(shape.blocks[l], ks[l]);
-  }
-  double best = simulated_seconds(shape, timings, config, Mode::forward_only, link, false);
-  for (int round = 0; round < 2; ++round) {
-    for (std::size_t l = 0; l < ks.size(); ++l) {
-      if (ks[l] == 0) continue;
-      for (int64_t r = 1; r <= shape.blocks[l] - ks[l]; ++r) {
-        Config trial = config;
-        trial.rs[l] = r;
-        const double seconds =
-            simulated_seconds(shape, timings, trial, Mode::forward_only, link, false);
-        if (seconds < best * (1 - 1e-9)) {
-          best = seconds;
-          config = trial;
-        }
-      }
-    }
-  }
-  return config.rs;
-}
-
 // T* for these K: the smallest bound over every choice of R per list (forward-only), the one
 // schedule's bound in training.
 double bound_for(const ModelShape& shape, const std::vector<BlockTiming>& timings,
@@ -208,7 +181,7 @@ std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
     }
     const std::vector<int64_t> ks = ks_for(shape, p.k);
     Config config{ks, std::vector<int64_t>(ks.size(), 0)};
-    if (p.mode == Mode::forward_only) config.rs = best_rotation(shape, timings, ks, options.link);
+    if (p.mode == Mode::forward_only) config.rs = best_rotating_slots(ks, timings, options.link);
     const Measured swap = measure(shape, timings, config, p.mode, Algorithm::blockswap, options.link);
     const Measured seed = measure(shape, timings, Config{ks, config.rs}, p.mode, Algorithm::seed,
                                   options.link);

@@ -41,6 +41,18 @@ std::size_t smallest_budget(std::span<const std::vector<std::size_t>> lists, Mod
 SwapPlan plan_swaps(std::span<const std::vector<std::size_t>> lists, std::size_t budget_bytes,
                     Mode mode, std::size_t fixed_bytes = 0);
 
+// The plan for given K per list (checked against each list's range), whatever the budget.
+SwapPlan plan_for(std::span<const std::vector<std::size_t>> lists, std::span<const int64_t> ks,
+                  Mode mode, std::size_t fixed_bytes = 0);
+
+// One or two lists: every plan that fits `budget_bytes` and that no other plan betters in both
+// bytes moved and device bytes, by the first list's K (for each K of the first list, the
+// smallest K of the second that fits). For choosing among them by another measure, such as the
+// simulator's step time. Throws Error for more than two lists or when nothing fits.
+std::vector<std::vector<int64_t>> budget_frontier(std::span<const std::vector<std::size_t>> lists,
+                                                  std::size_t budget_bytes, Mode mode,
+                                                  std::size_t fixed_bytes = 0);
+
 // One list: the smallest valid K whose slots fit `budget_bytes` (plan_swaps for one list).
 int64_t plan_blocks_to_swap(std::span<const std::size_t> block_bytes, std::size_t budget_bytes,
                             Mode mode);

@@ -98,8 +98,13 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
 
 // Forward-only: the number of rotating slots R (1..N-K) whose schedule the simulator finds
-// fastest for these costs, the smaller on a tie (fewer loads). N-K = 0... returns 0 when K = 0.
+// fastest for these costs, the smaller on a tie (fewer loads); 0 when K = 0.
 int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
                             const LinkModel& link, Algorithm algorithm = Algorithm::blockswap);
+// The same for the lists of one model on one device (K and timing per list): one list at a
+// time from the default R, every other list fixed, twice round.
+std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap,
+                                         std::span<const BlockTiming> timings,
+                                         const LinkModel& link);
 
 } // namespace blockswap

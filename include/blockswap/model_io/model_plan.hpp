@@ -2,7 +2,9 @@
 // how many blocks to swap so that the device weights fit a budget. Used by `blockswap plan`.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -15,7 +17,8 @@ namespace blockswap {
 
 struct BlockGroup {
   std::string name;                  // the name prefix: "double_blocks", "model.layers"
-  std::vector<uint64_t> block_bytes; // by block index order
+  std::vector<uint64_t> block_bytes;    // by block index order
+  std::vector<uint64_t> block_elements; // parameters (tensor elements), by block
   uint64_t total_bytes() const;
   uint64_t largest_bytes() const;
 };
@@ -50,5 +53,10 @@ struct ModelPlan {
 // The per-group K that fits `budget_bytes` and moves the fewest bytes per step. Throws Error
 // with the smallest budget that works when none fits, or when there are no groups.
 ModelPlan plan_model(const ModelLayout& layout, uint64_t budget_bytes, Mode mode);
+// The plan with the given K per group (for choosing among planner::budget_frontier's plans).
+ModelPlan plan_model(const ModelLayout& layout, uint64_t budget_bytes, Mode mode,
+                     std::span<const int64_t> blocks_to_swap);
+// The groups' block sizes as the planner's lists.
+std::vector<std::vector<std::size_t>> block_lists(const ModelLayout& layout);
 
 } // namespace blockswap
