@@ -3,6 +3,8 @@
 
 #include <gtest/gtest.h>
 
+#include <optional>
+
 #include <cuda_runtime_api.h>
 
 #include <chrono>
@@ -116,6 +118,35 @@ TEST_F(CudaDeviceTest, PoisonFillsWithNaN) {
 
 TEST_F(CudaDeviceTest, MissingDeviceIsAnError) {
   EXPECT_THROW(CudaDevice({.device = 1000}), Error);
+}
+
+// Copies are timed on the device and reported to the observer (traces show them); two events on
+// one stream time the work between them (the engine measures stalls with them).
+TEST_F(CudaDeviceTest, CopiesAreObservedAndEventsAreTimed) {
+  CudaDevice device;
+  constexpr std::size_t kBytes = 64 << 20;
+  Buffer host = device.allocate_host(kBytes), dev = device.allocate_device(kBytes);
+  std::vector<CopyRecord> seen;
+  device.set_copy_observer([&](const CopyRecord& c) { seen.push_back(c); });
+  auto before = device.make_event(), after = device.make_event();
+  device.record(*before, Stream::copy);
+  device.copy_to_device(dev.data(), host.data(), kBytes, 3);
+  device.copy_to_host(host.data(), dev.data(), kBytes, 4);
+  device.record(*after, Stream::copy);
+  device.synchronize(*after);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_TRUE(seen[0].to_device);
+  EXPECT_EQ(seen[0].tag, 3);
+  EXPECT_FALSE(seen[1].to_device);
+  EXPECT_GT(seen[0].end, seen[0].start);
+  EXPECT_GE(seen[1].start, seen[0].end);
+  EXPECT_TRUE(device.times_events());
+  const std::optional<double> copies = device.elapsed_seconds(*before, *after);
+  ASSERT_TRUE(copies.has_value());
+  // Two 64 MiB copies over PCIe or faster: more than nothing, well under a second.
+  EXPECT_GT(*copies, 0.0);
+  EXPECT_LT(*copies, 1.0);
+  device.set_copy_observer(nullptr);
 }
 
 } // namespace

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <chrono>
 #include <cstdlib>
+#include <deque>
 #include <iostream>
 #include <mutex>
 #include <type_traits>
@@ -16,7 +18,7 @@ using cuda::DeviceScope;
 
 class CudaEvent final : public Event {
 public:
-  explicit CudaEvent(int device) : handle(device) {}
+  explicit CudaEvent(int device) : handle(device, /*timing=*/true) {}
   cuda::EventHandle handle;
   bool recorded = false;
 };
@@ -39,6 +41,18 @@ void warn_pageable_once(std::size_t bytes, cudaError_t error) {
 
 } // namespace
 
+// Note [timed copies]
+// With a copy observer set, each copy is bracketed by two timing events on the copy stream.
+// A finished copy is reported from the next call that finds its end event complete: its
+// start and end are the events' times after a reference event recorded when the observer was
+// set, whose host time is known (the host waited for it).
+struct TimedCopy {
+  bool to_device = true;
+  std::size_t bytes = 0;
+  int64_t tag = -1;
+  cuda::EventHandle start, end;
+};
+
 struct CudaDevice::State {
   CudaDeviceOptions options;
   cuda::StreamHandle copy;
@@ -46,6 +60,55 @@ struct CudaDevice::State {
   std::size_t device_bytes = 0;
   std::size_t peak_device_bytes = 0;
   bool pinned = true;
+  // guarded by `mutex`: the copy observer and the copies it has yet to see
+  CopyObserver observer;
+  cuda::EventHandle reference;
+  std::chrono::steady_clock::time_point reference_time;
+  std::deque<TimedCopy> timed_copies;
+
+  // Enqueues a copy, bracketed by timing events when someone observes copies.
+  void copy_async(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind,
+                  int64_t tag) {
+    std::unique_lock lock(mutex);
+    if (!observer) {
+      lock.unlock();
+      BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy.get()));
+      return;
+    }
+    TimedCopy timed{kind == cudaMemcpyHostToDevice, bytes, tag,
+                    cuda::EventHandle(options.device, true), cuda::EventHandle(options.device, true)};
+    BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.start.get(), copy.get()));
+    BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy.get()));
+    BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.end.get(), copy.get()));
+    timed_copies.push_back(std::move(timed));
+  }
+
+  // Reports the copies that have completed, in order.
+  void report_copies() {
+    std::vector<CopyRecord> done;
+    CopyObserver notify;
+    {
+      std::lock_guard lock(mutex);
+      while (!timed_copies.empty() && cudaEventQuery(timed_copies.front().end.get()) == cudaSuccess) {
+        const TimedCopy& c = timed_copies.front();
+        float start_ms = 0, end_ms = 0;
+        if (cudaEventElapsedTime(&start_ms, reference.get(), c.start.get()) == cudaSuccess &&
+            cudaEventElapsedTime(&end_ms, reference.get(), c.end.get()) == cudaSuccess) {
+          auto at = [&](float ms) {
+            return reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                        std::chrono::duration<double, std::milli>(ms));
+          };
+          done.push_back(CopyRecord{c.to_device, c.bytes, c.tag, at(start_ms), at(end_ms)});
+        }
+        timed_copies.pop_front();
+      }
+      cudaGetLastError(); // a query that said "not ready" is not an error
+      notify = observer;
+    }
+    if (notify) {
+      for (const CopyRecord& record : done) notify(record);
+    }
+  }
 
   cudaStream_t compute() const {
     return options.compute_stream ? options.compute_stream() : nullptr;
@@ -71,6 +134,11 @@ CudaDevice::CudaDevice(CudaDeviceOptions options) : state_(std::make_shared<Stat
 // The copy stream finishes its copies, then goes (StreamHandle::reset logs what fails).
 CudaDevice::~CudaDevice() {
   state_->copy.reset();
+  try {
+    state_->report_copies();
+  } catch (const std::exception& e) {
+    std::cerr << "blockswap: a copy observer failed at shutdown: " << e.what() << '\n';
+  }
 }
 
 std::string CudaDevice::name() const {
@@ -138,18 +206,27 @@ Buffer CudaDevice::allocate_device(std::size_t bytes) {
 }
 
 void CudaDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
-                                int64_t /*tag*/) {
-  BLOCKSWAP_CUDA_CHECK(
-      cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, state_->copy.get()));
+                                int64_t tag) {
+  state_->copy_async(device, host, bytes, cudaMemcpyHostToDevice, tag);
 }
 
 void CudaDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
-                              int64_t /*tag*/) {
-  BLOCKSWAP_CUDA_CHECK(
-      cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, state_->copy.get()));
+                              int64_t tag) {
+  state_->copy_async(host, device, bytes, cudaMemcpyDeviceToHost, tag);
 }
 
-void CudaDevice::set_copy_observer(CopyObserver /*observer*/) {}
+void CudaDevice::set_copy_observer(CopyObserver observer) {
+  state_->report_copies(); // the copies of the observer before
+  std::lock_guard lock(state_->mutex);
+  state_->observer = std::move(observer);
+  state_->timed_copies.clear();
+  if (!state_->observer) return;
+  // The reference point: recorded on the copy stream and waited for, so its host time is now.
+  if (!state_->reference) state_->reference = cuda::EventHandle(state_->options.device, true);
+  BLOCKSWAP_CUDA_CHECK(cudaEventRecord(state_->reference.get(), state_->copy.get()));
+  BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(state_->reference.get()));
+  state_->reference_time = std::chrono::steady_clock::now();
+}
 
 void CudaDevice::poison(std::byte* device, std::size_t bytes) {
   // 0xFF bytes are NaN in float32, float16 and bfloat16. A device memset runs at device memory
@@ -162,6 +239,7 @@ std::unique_ptr<Event> CudaDevice::make_event() {
 }
 
 void CudaDevice::record(Event& event, Stream stream) {
+  if (stream == Stream::copy) state_->report_copies();
   CudaEvent& e = cuda_event(event);
   BLOCKSWAP_CUDA_CHECK(cudaEventRecord(e.handle.get(), state_->stream(stream)));
   e.recorded = true;
@@ -177,6 +255,20 @@ void CudaDevice::synchronize(const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
   BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(e.handle.get()));
+  state_->report_copies();
+}
+
+std::optional<double> CudaDevice::elapsed_seconds(const Event& start, const Event& end) const {
+  const CudaEvent& a = cuda_event(start);
+  const CudaEvent& b = cuda_event(end);
+  if (!a.recorded || !b.recorded) return std::nullopt;
+  if (cudaEventQuery(b.handle.get()) != cudaSuccess || cudaEventQuery(a.handle.get()) != cudaSuccess) {
+    cudaGetLastError(); // "not ready" is an answer, not an error
+    return std::nullopt;
+  }
+  float ms = 0;
+  BLOCKSWAP_CUDA_CHECK(cudaEventElapsedTime(&ms, a.handle.get(), b.handle.get()));
+  return static_cast<double>(ms) * 1e-3;
 }
 
 MemoryStats CudaDevice::memory() const {

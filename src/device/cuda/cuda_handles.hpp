@@ -69,9 +69,11 @@ private:
 class EventHandle {
 public:
   EventHandle() = default;
-  explicit EventHandle(int device) {
+  // `timing`: the event can be timed (cudaEventElapsedTime); otherwise it is lighter.
+  explicit EventHandle(int device, bool timing = false) {
     DeviceScope scope(device);
-    BLOCKSWAP_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    BLOCKSWAP_CUDA_CHECK(
+        cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming));
   }
   ~EventHandle() { reset(); }
 
