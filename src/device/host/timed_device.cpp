@@ -112,6 +112,18 @@ struct TimedDevice::State {
     streams[index(stream)].work.notify_one();
   }
 
+  // A copy: the copy stream busy for the link's time for `bytes`.
+  void enqueue_copy(std::size_t bytes, int64_t tag, bool to_device) {
+    Task task;
+    task.kind = Task::Kind::busy;
+    task.seconds = options.link.seconds(bytes);
+    task.tag = tag;
+    task.copy = true;
+    task.to_device = to_device;
+    task.bytes = bytes;
+    enqueue(Stream::copy, std::move(task));
+  }
+
   void run(int s) {
     StreamState& stream = streams[s];
     std::unique_lock lock(mutex);
@@ -230,24 +242,11 @@ Buffer TimedDevice::allocate_device(std::size_t bytes) {
 }
 
 void TimedDevice::copy_to_device(std::byte*, const std::byte*, std::size_t bytes, int64_t tag) {
-  Task task;
-  task.kind = Task::Kind::busy;
-  task.seconds = state_->options.link.seconds(bytes);
-  task.tag = tag;
-  task.copy = true;
-  task.bytes = bytes;
-  state_->enqueue(Stream::copy, std::move(task));
+  state_->enqueue_copy(bytes, tag, true);
 }
 
 void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, int64_t tag) {
-  Task task;
-  task.kind = Task::Kind::busy;
-  task.seconds = state_->options.link.seconds(bytes);
-  task.tag = tag;
-  task.copy = true;
-  task.to_device = false;
-  task.bytes = bytes;
-  state_->enqueue(Stream::copy, std::move(task));
+  state_->enqueue_copy(bytes, tag, false);
 }
 
 void TimedDevice::compute(double seconds, int64_t tag) {
