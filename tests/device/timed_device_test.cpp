@@ -82,11 +82,18 @@ TEST(TimedDevice, TheHostWaitsInDeviceTimeAndItsWorkCounts) {
   // Two seconds of device time, almost no real time.
   EXPECT_NEAR(device.now() - start, 2.0, kTolerance);
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - real).count(), 1.0);
-  // Host work between calls is real time on the host's clock: a computation enqueued after it
-  // starts no earlier.
+  // Host work between calls (CPU time) is on the host's clock: a computation enqueued after it
+  // starts no earlier. Sleeping is not work.
+  const double before_work = device.now();
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(30);
+  volatile uint64_t spin = 0;
+  while (std::chrono::steady_clock::now() < until) spin = spin + 1;
+  EXPECT_GE(device.now() - before_work, 0.02); // most of the 30 ms ran on a CPU
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  const double after_sleep = device.now();
+  EXPECT_LT(after_sleep - before_work, 0.045);
   device.compute(0.1);
-  EXPECT_GE(device.finish() - start, 2.0 + 0.03 + 0.1 - 1e-9);
+  EXPECT_GE(device.finish() - start, 2.0 + 0.02 + 0.1 - 1e-9);
 }
 
 TEST(TimedDevice, MemoryIsAccountedAndHoldsNoData) {

@@ -92,7 +92,11 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 //     carries at least (sum of c + l over those blocks) / R per pass; and some slot holds
 //     q = ceil((K+R)/R) of them in every pass, whose q computes and q-1 loads run while the
 //     compute stream runs nothing but that list's blocks between them, every other block of
-//     the pass (other lists' too) computing outside that stretch.
+//     the pass (other lists' too) computing outside that stretch;
+//   - the halves (training): in each half of the step (forward, backward) the first load starts
+//     after the computes before its move, the loads follow one another, and the block loaded
+//     last computes after its load, then the rest of the half; every list's halves are
+//     disjoint stretches of the compute stream, so these add up over halves and lists.
 // With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);

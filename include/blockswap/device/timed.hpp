@@ -10,9 +10,10 @@
 //
 // Time is device time, in seconds from the device's creation: each stream keeps its own clock
 // (work starts when the stream is free and the host has enqueued it; an event a stream waits
-// for moves its clock to the event's time), and the host's clock runs with real time while the
-// host works between calls (the engine's overhead counts) and jumps to an event's time when
-// the host waits for it. A wait costs its model time, not the operating system's wake-up.
+// for moves its clock to the event's time), and the host's clock advances by the CPU time the
+// host thread spends between its calls into the device (the engine's overhead counts; the
+// operating system running other work does not) and jumps to an event's time when the host
+// waits for it (a wait costs its model time, not a thread's wake-up).
 //
 // Its memory is address space only: it holds no data, and reading or writing it faults. It is
 // for drivers that compute nothing (time_step below, the benchmarks), not for tensors.

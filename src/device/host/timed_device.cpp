@@ -1,6 +1,7 @@
 #include "blockswap/device/timed.hpp"
 
 #include <sys/mman.h>
+#include <time.h>
 
 #include <algorithm>
 #include <chrono>
@@ -47,6 +48,12 @@ const TimedEvent& timed(const Event& event) {
   return *e;
 }
 
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
+}
+
 // Address space that holds no data: any access faults.
 Buffer reserve(std::size_t bytes) {
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
@@ -65,9 +72,10 @@ Buffer reserve(std::size_t bytes) {
 // Each stream runs its tasks in order on its own thread and keeps its own clock, `free`: the
 // device time at which it finished its last task. A task starts at max(free, enqueued): no
 // earlier than the host enqueued it. A wait moves the clock to the awaited mark's time; a
-// record stamps its mark with the clock. The host's clock is real time since the host's last
-// wait ended, added to the device time that wait ended at: host work between calls counts,
-// the threads' own wake-ups do not. Everything is under one mutex; the threads only sleep on
+// record stamps its mark with the clock. The host's clock advances by the CPU time the host
+// thread spends between its calls into the device (the engine's own work counts; time the
+// thread is not running, preempted by other processes, does not), and jumps to a mark's time
+// when the host waits for it (the threads' own wake-ups do not count either). Everything is under one mutex; the threads only sleep on
 // condition variables: their own queue's, and the one for completed marks.
 struct TimedDevice::State {
   struct StreamState {
@@ -82,9 +90,8 @@ struct TimedDevice::State {
   std::condition_variable marked; // a mark completed
   bool stopping = false;
   StreamState streams[2]; // compute, copy
-  double host_base = 0;   // the host's clock at real time `host_real`
-  Clock::time_point host_real = Clock::now();
-  Clock::time_point epoch = host_real;
+  double host_time = 0; // the host's clock (Note [device time])
+  Clock::time_point epoch = Clock::now();
   std::vector<ComputeRecord> log;
   double link_busy = 0;
   CopyObserver observer;
@@ -92,16 +99,20 @@ struct TimedDevice::State {
 
   static int index(Stream stream) { return stream == Stream::compute ? 0 : 1; }
 
-  double host_now_locked() const {
-    return host_base + std::chrono::duration<double>(Clock::now() - host_real).count();
+  // The host's clock now: it advances by the CPU time the calling thread has spent since its
+  // last call into this device (the first call from a thread adds nothing).
+  double host_now_locked() {
+    thread_local const State* last_state = nullptr;
+    thread_local double last_cpu = 0;
+    const double cpu = thread_cpu_seconds();
+    if (last_state == this) host_time += std::max(0.0, cpu - last_cpu);
+    last_state = this;
+    last_cpu = cpu;
+    return host_time;
   }
 
   // The host waited until device time `time` (or not at all, when it is past).
-  void host_resumes_locked(double time) {
-    const double now = host_now_locked();
-    host_base = std::max(now, time);
-    host_real = Clock::now();
-  }
+  void host_resumes_locked(double time) { host_time = std::max(host_now_locked(), time); }
 
   void enqueue(Stream stream, Task task) {
     {
