@@ -3,7 +3,8 @@
 (a) host-to-device bandwidth by copy size, pinned and pageable;
 (b) the reference transformer through `blockswap run` for a sweep of K, inference and
     training, against the bound T* = max(T_noswap, h2d_bytes / B) of DESIGN.md section 6;
-(c) the same model driven by the seed's own algorithm (seed_offloader.py): T_seed / T_swap.
+(c) the same model driven by the seed's own algorithm (seed_offloader.py): T_seed / T_swap;
+(d) the schedule simulator's prediction of each step from the measured no-swap step and link.
 
 Usage: python3 bench/python/gpu_bench.py --tool build-gpu/blockswap --out OUT_DIR
 """
@@ -45,8 +46,10 @@ def pinned_gbps(rows, size):
     return best["gbps"]
 
 
-def run_tool(tool, mode, k, model):
+def run_tool(tool, mode, k, model, link_gbps):
+    # --link-gbps: on CUDA only the simulator's prediction uses it (swapped.predicted_step_seconds).
     args = [tool, "run", "--device", "cuda", "--mode", mode, "--swap", str(k), "--json",
+            "--link-gbps", f"{link_gbps:.3f}",
             "--blocks", str(model["blocks"]), "--hidden", str(model["hidden"]),
             "--heads", str(model["heads"]), "--tokens", str(model["tokens"]),
             "--steps", str(model["steps"])]
@@ -95,23 +98,30 @@ def main():
     # hidden 1280: 12 * 1280^2 * 4 bytes = 75 MiB per block (>= 64 MiB).
     model = {"blocks": 16, "hidden": 1280, "heads": 20, "tokens": 4096, "steps": 3 if args.quick else 5}
     n = model["blocks"]
+    block_gbps = pinned_gbps(link, 12 * model["hidden"] ** 2 * 4)
     sweep = []
     for mode, ks in (("infer", [0, n // 4, n // 2, 3 * n // 4, n - 1]),
                      ("train", [0, n // 4, n // 2, 3 * n // 4, n - 2])):
         for k in ks:
-            ours = run_tool(args.tool, mode, k, model)
+            ours = run_tool(args.tool, mode, k, model, block_gbps)
             block_bytes = ours["baseline"]["peak_device_bytes"] / n
             b = pinned_gbps(link, block_bytes) * 1e9
             t_noswap = ours["baseline"]["step_seconds"]
             t_swap = ours["swapped"]["step_seconds"]
             t_bound = max(t_noswap, ours["swapped"]["h2d_bytes"] / b)
             t_seed = run_seed(mode, k, model)
+            # The schedule simulator's prediction from the measured no-swap step and link: a
+            # step here ends when its copies are done, the simulator's inference pass is one of
+            # a sequence (its last loads overlap the next pass), so inference may read a
+            # little above it.
+            t_predicted = ours["swapped"].get("predicted_step_seconds", 0.0)
             row = {"mode": mode, "k": k, "t_noswap": t_noswap, "t_swap": t_swap, "t_bound": t_bound,
                    "t_seed": t_seed, "swap_over_bound": t_swap / t_bound,
                    "swap_over_noswap": t_swap / t_noswap, "seed_over_swap": t_seed / t_swap,
                    "h2d_bytes": ours["swapped"]["h2d_bytes"],
                    "peak_device_bytes": ours["swapped"]["peak_device_bytes"],
-                   "max_abs_diff": ours["max_abs_diff"]}
+                   "max_abs_diff": ours["max_abs_diff"], "t_predicted": t_predicted,
+                   "swap_over_predicted": t_swap / t_predicted if t_predicted > 0 else None}
             sweep.append(row)
             print(json.dumps(row), flush=True)
 
@@ -122,10 +132,12 @@ def main():
     print("\nbandwidth (GB/s):")
     for r in link:
         print(f"  {r['bytes'] >> 10:>8} KiB {'pinned  ' if r['pinned'] else 'pageable'} {r['gbps']:7.1f}")
-    print("\nmode   K   T_swap/T*  T_swap/T_noswap  T_seed/T_swap  max_abs_diff")
+    print("\nmode   K   T_swap/T*  T_swap/T_noswap  T_seed/T_swap  T_swap/predicted  max_abs_diff")
     for r in sweep:
+        predicted = r["swap_over_predicted"]
+        predicted_text = f"{predicted:16.3f}" if predicted is not None else f"{'-':>16}"
         print(f"{r['mode']:<6}{r['k']:>3}  {r['swap_over_bound']:9.3f}  {r['swap_over_noswap']:15.3f}"
-              f"  {r['seed_over_swap']:13.3f}  {r['max_abs_diff']}")
+              f"  {r['seed_over_swap']:13.3f}  {predicted_text}  {r['max_abs_diff']}")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@
 #include <system_error>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/simulator.hpp"
 #include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/torch.hpp"
 #include "commands.hpp"
@@ -148,6 +149,17 @@ int run_command(const RunArgs& args) {
                                        ", compute on ", args.threads, " thread",
                                        args.threads == 1 ? "" : "s", ")")
                       : device.str();
+  // The simulator's prediction of the swapped step from the baseline's: every block's forward
+  // the same, backward twice the forward (an assumption), the link at --link-gbps.
+  double predicted = 0;
+  if (args.link_gbps > 0) {
+    const int64_t n = config.blocks;
+    const double forward = baseline.step_seconds / (double(n) * (train ? 3.0 : 1.0));
+    const Schedule schedule({n, k, mode});
+    predicted = simulate(schedule, uniform_timing(n, forward, baseline_peak / uint64_t(n), 2.0),
+                         LinkModel{args.link_gbps * 1e9, 5e-6})
+                    .step_seconds;
+  }
   if (args.json) {
     nlohmann::json out{
         {"mode", args.mode},
@@ -165,7 +177,8 @@ int run_command(const RunArgs& args) {
           {"peak_device_bytes", stats.peak_device_bytes},
           {"h2d_bytes", stats.h2d_bytes / steps},
           {"d2h_bytes", stats.d2h_bytes / steps},
-          {"stall_seconds", stats.stall_seconds / double(steps)}}},
+          {"stall_seconds", stats.stall_seconds / double(steps)},
+          {"predicted_step_seconds", predicted}}},
         {"max_abs_diff", diff},
     };
     std::cout << out.dump(2) << '\n';
