@@ -4,6 +4,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -54,6 +55,8 @@ double thread_cpu_seconds() {
   return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
+std::atomic<uint64_t> next_id{0}; // TimedDevice ids, for the host clock's thread-local record
+
 // Address space that holds no data: any access faults.
 Buffer reserve(std::size_t bytes) {
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
@@ -90,6 +93,7 @@ struct TimedDevice::State {
   std::condition_variable marked; // a mark completed
   bool stopping = false;
   StreamState streams[2]; // compute, copy
+  const uint64_t id = next_id.fetch_add(1) + 1;
   double host_time = 0; // the host's clock (Note [device time])
   Clock::time_point epoch = Clock::now();
   std::vector<ComputeRecord> log;
@@ -102,11 +106,11 @@ struct TimedDevice::State {
   // The host's clock now: it advances by the CPU time the calling thread has spent since its
   // last call into this device (the first call from a thread adds nothing).
   double host_now_locked() {
-    thread_local const State* last_state = nullptr;
+    thread_local uint64_t last_device = 0; // by id: a new device may reuse an old one's address
     thread_local double last_cpu = 0;
     const double cpu = thread_cpu_seconds();
-    if (last_state == this) host_time += std::max(0.0, cpu - last_cpu);
-    last_state = this;
+    if (last_device == id) host_time += std::max(0.0, cpu - last_cpu);
+    last_device = id;
     last_cpu = cpu;
     return host_time;
   }
