@@ -167,13 +167,13 @@ double slot_seconds(const SimulatedList& list, const LinkModel& link) {
   return per_slot.empty() ? 0.0 : *std::max_element(per_slot.begin(), per_slot.end());
 }
 
-// Forward-only, a stronger slot term across lists. In every pass some rotating slot holds
-// q = ceil(M/R) of the list's M rotating blocks, every R-th one: r_j, r_{j+R}, ...,
-// r_{j+(q-1)R}. Between the start of the first one's compute and the end of the last one's,
-// the compute stream runs only blocks of this list in that index range, and the slot runs
-// those q computes and the q-1 loads between them; every other block of the pass (the other
-// lists', and this list's outside the range) computes outside that interval. Which j a pass
-// has is not known, so the least over j. Returns the pass's compute when nothing rotates.
+// Forward-only, a stronger slot term across lists. Number the list's M rotating blocks
+// r_0 < ... < r_{M-1} (r_0 is block 0). A rotating slot passes from r_i to r_{i+R}, so the slot
+// that computes r_0 in a pass computes r_0, r_R, ..., r_{(q-1)R} in it, q = ceil(M/R). From
+// the start of r_0's compute to the end of r_{(q-1)R}'s, the compute stream runs only this
+// list's blocks in that range, and the slot runs those q computes and the q-1 loads between
+// them; every other block of the pass (the other lists', and this list's outside the range)
+// computes outside that stretch. Returns the pass's compute when nothing rotates.
 double chained_pass_seconds(const SimulatedList& list, double pass_compute,
                             const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
@@ -186,21 +186,17 @@ double chained_pass_seconds(const SimulatedList& list, double pass_compute,
   const int64_t r = schedule.rotating_slots();
   if (m == 0 || r == 0) return pass_compute;
   const int64_t q = (m + r - 1) / r;
-  double least = std::numeric_limits<double>::infinity();
-  for (int64_t j = 0; j + (q - 1) * r < m; ++j) {
-    double chain = 0;
-    for (int64_t i = 0; i < q; ++i) {
-      const int64_t b = rotating[j + i * r];
-      chain += timing.forward_seconds[b];
-      if (i > 0) chain += link.seconds(timing.bytes[b]);
-    }
-    double inside = 0; // this list's computes within the interval
-    for (int64_t b = rotating[j]; b <= rotating[j + (q - 1) * r]; ++b) {
-      inside += timing.forward_seconds[b];
-    }
-    least = std::min(least, chain + pass_compute - inside);
+  double chain = 0;
+  for (int64_t i = 0; i < q; ++i) {
+    const int64_t b = rotating[i * r];
+    chain += timing.forward_seconds[b];
+    if (i > 0) chain += link.seconds(timing.bytes[b]);
   }
-  return least;
+  double inside = 0; // this list's computes within the stretch
+  for (int64_t b = rotating[0]; b <= rotating[(q - 1) * r]; ++b) {
+    inside += timing.forward_seconds[b];
+  }
+  return chain + pass_compute - inside;
 }
 
 // Training, a stronger term per half of the step. In the forward half (and likewise the

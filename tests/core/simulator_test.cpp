@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include "blockswap/core/error.hpp"
 
 namespace blockswap {
@@ -121,6 +123,47 @@ TEST(Simulator, NeverBeatsTheBound) {
         }
       }
     }
+  }
+}
+
+// The same with blocks that differ (FLUX's double and single blocks, odd sizes), one or two
+// lists, every R, a latency: random shapes.
+TEST(Simulator, NeverBeatsTheBoundWithUnevenBlocks) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<double> seconds(0.1, 3.0);
+  std::uniform_int_distribution<std::size_t> bytes(100, 5000);
+  auto random_timing = [&](int64_t n) {
+    BlockTiming t;
+    for (int64_t b = 0; b < n; ++b) {
+      t.forward_seconds.push_back(seconds(rng));
+      t.bytes.push_back(bytes(rng));
+    }
+    t.backward_factor = std::uniform_real_distribution<double>(1.0, 3.0)(rng);
+    return t;
+  };
+  for (int trial = 0; trial < 400; ++trial) {
+    const Mode mode = trial % 2 == 0 ? Mode::forward_only : Mode::training;
+    const Algorithm algorithm = trial % 5 == 0 ? Algorithm::seed : Algorithm::blockswap;
+    const int lists = 1 + trial % 3 / 2;
+    std::vector<Schedule> schedules;
+    std::vector<BlockTiming> timings;
+    for (int l = 0; l < lists; ++l) {
+      const int64_t n = std::uniform_int_distribution<int64_t>(2, 16)(rng);
+      const int64_t k =
+          std::uniform_int_distribution<int64_t>(0, Schedule::max_blocks_to_swap(n, mode))(rng);
+      const int64_t r = mode == Mode::forward_only && k > 0 && algorithm == Algorithm::blockswap
+                            ? std::uniform_int_distribution<int64_t>(1, n - k)(rng)
+                            : 0;
+      schedules.emplace_back(ScheduleOptions{n, k, mode, r, algorithm});
+      timings.push_back(random_timing(n));
+    }
+    std::vector<SimulatedList> simulated;
+    for (int l = 0; l < lists; ++l) simulated.push_back({&schedules[l], &timings[l]});
+    const LinkModel link{std::uniform_real_distribution<double>(300, 3000)(rng), 0.05};
+    const double bound = step_bound(simulated, link);
+    const Simulation r = simulate(simulated, link);
+    ASSERT_GE(r.step_seconds, bound * (1 - 1e-9)) << "trial " << trial << ": "
+                                                   << schedules[0].describe();
   }
 }
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <random>
 #include <cmath>
 #include <thread>
 
@@ -167,6 +168,38 @@ TEST(TimedDevice, AgreesWithTheSimulatorForEveryShape) {
         }
       }
     }
+  }
+}
+
+// Blocks that differ in compute and size, every R, a latency, both algorithms: random shapes.
+TEST(TimedDevice, AgreesWithTheSimulatorForUnevenBlocks) {
+  std::mt19937 rng(3);
+  for (int trial = 0; trial < 40; ++trial) {
+    const Mode mode = trial % 2 == 0 ? Mode::forward_only : Mode::training;
+    const Algorithm algorithm = trial % 4 < 2 ? Algorithm::blockswap : Algorithm::seed;
+    const int64_t n = std::uniform_int_distribution<int64_t>(2, 20)(rng);
+    const int64_t k =
+        std::uniform_int_distribution<int64_t>(0, Schedule::max_blocks_to_swap(n, mode))(rng);
+    const int64_t r = mode == Mode::forward_only && k > 0 && algorithm == Algorithm::blockswap
+                          ? std::uniform_int_distribution<int64_t>(1, n - k)(rng)
+                          : 0;
+    BlockTiming timing;
+    for (int64_t b = 0; b < n; ++b) {
+      timing.forward_seconds.push_back(std::uniform_real_distribution<double>(0.01, 0.1)(rng));
+      timing.bytes.push_back(std::uniform_int_distribution<std::size_t>(1, 100)(rng) * 1'000'000);
+    }
+    const LinkModel link{1e9, 2e-4};
+    auto device = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
+    Engine engine(device, timing.bytes,
+                  {.blocks_to_swap = k,
+                   .supports_backward = mode == Mode::training,
+                   .rotating_slots = r,
+                   .algorithm = algorithm});
+    const Simulation predicted = simulate(engine.schedule(), timing, link);
+    const TimedList list{&engine, &timing};
+    const TimedStep measured = time_step(*device, std::span(&list, 1), predicted.warmup_passes);
+    ASSERT_NEAR(measured.step_seconds / predicted.step_seconds, 1.0, 0.02)
+        << "trial " << trial << ": " << engine.schedule().describe();
   }
 }
 
