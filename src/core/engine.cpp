@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -79,6 +80,10 @@ private:
     int64_t slot = -1;
     bool ready = false;
     bool dirty = false;
+    // Note [atomic write-back]: a changed block is copied back into `staging`, and into `host`
+    // only once the copy stream has confirmed that copy; meanwhile loads read `staging`.
+    std::unique_ptr<Buffer> staging;
+    bool writing_back = false;
     bool forwarded = false;        // computed since prepare(), outside a recompute pass
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
     int64_t replaced = -1;         // for debug lines: the block its load evicted
@@ -106,6 +111,8 @@ private:
   void load(int64_t block, int64_t slot);
   void mark_ready(int64_t block);
   void forget_unready_loads();
+  [[noreturn]] void copy_failed();
+  void commit_write_backs();
   void ensure_slots(int64_t count);
   void release_empty_slots();
   void synchronize_locked();
@@ -304,8 +311,7 @@ void Engine::Impl::wait_locked(int64_t block) {
       backend_->wait(Stream::compute, *state.loaded);
     }
   } catch (...) {
-    forget_unready_loads();
-    throw;
+    copy_failed();
   }
   const double stalled = seconds_since(start);
   if (!device_timed) stats_.stall_seconds += stalled;
@@ -486,7 +492,11 @@ void Engine::Impl::wait_like_the_seed(int64_t slot) {
   if (!current().host_waits()) return;
   SlotState& s = slots_[slot];
   backend_->record(*s.released, Stream::compute);
-  backend_->synchronize(*s.released);
+  try {
+    backend_->synchronize(*s.released);
+  } catch (...) {
+    copy_failed();
+  }
 }
 
 // Note [slot reuse]
@@ -500,10 +510,17 @@ void Engine::Impl::evict(int64_t block, bool refilled) {
   if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
-  if (state.dirty || current().writes_back()) {
-    backend_->copy_to_host(state.host->data(), slot.memory->data(), state.bytes, block);
+  if (state.dirty) {
+    if (!state.staging) state.staging = std::make_unique<Buffer>(backend_->allocate_host(state.bytes));
+    backend_->copy_to_host(state.staging->data(), slot.memory->data(), state.bytes, block);
     stats_.d2h_bytes += state.bytes;
     state.dirty = false;
+    state.writing_back = true;
+  } else if (current().writes_back()) {
+    // The seed replay copies back weights that did not change: the host's bytes stay the same
+    // whatever part of the copy happens.
+    backend_->copy_to_host(state.host->data(), slot.memory->data(), state.bytes, block);
+    stats_.d2h_bytes += state.bytes;
   }
   if (!refilled) backend_->poison(slot.memory->data(), slot_bytes_);
   slot.block = -1;
@@ -516,7 +533,8 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
-  backend_->copy_to_device(s.memory->data(), state.host->data(), state.bytes, block);
+  const Buffer& source = state.writing_back ? *state.staging : *state.host;
+  backend_->copy_to_device(s.memory->data(), source.data(), state.bytes, block);
   backend_->record(*state.loaded, Stream::copy);
   stats_.h2d_bytes += state.bytes;
   s.block = block;
@@ -543,14 +561,51 @@ void Engine::Impl::forget_unready_loads() {
   }
 }
 
+// Note [atomic write-back]
+// A block changed on the device (mark_dirty) is copied back when it is evicted, into a staging
+// buffer, not into its host copy: a copy that fails part-way must not leave the host copy half
+// old, half new. Once the copy stream has confirmed everything up to it (synchronize), the
+// staging bytes replace the host copy with a host memcpy, which cannot fail. Until then a load
+// of the block reads the staging buffer (the copy stream runs in order, so the write-back is
+// done by then). When a copy fails first, pending write-backs are dropped: every such block's
+// host copy keeps the values from before its changes, and the error names it.
+void Engine::Impl::commit_write_backs() {
+  for (BlockState& state : blocks_) {
+    if (!state.writing_back) continue;
+    std::memcpy(state.host->data(), state.staging->data(), state.bytes);
+    state.writing_back = false;
+  }
+}
+
+// A copy failed (rethrown by the backend in the caller's catch block): blocks not yet waited
+// for may hold garbage and leave the device; pending write-backs are dropped and named.
+void Engine::Impl::copy_failed() {
+  forget_unready_loads();
+  std::string dropped;
+  for (int64_t b = 0; b < blocks(); ++b) {
+    if (!blocks_[b].writing_back) continue;
+    blocks_[b].writing_back = false;
+    dropped += detail::concat(dropped.empty() ? "" : ", ", b);
+  }
+  if (dropped.empty()) throw;
+  try {
+    throw;
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[", label_, "] a copy failed (", e.what(),
+                               "); the changes written back from block(s) ", dropped,
+                               " are dropped: their host copies keep the values from before "
+                               "those changes"));
+  }
+}
+
 void Engine::Impl::synchronize_locked() {
   backend_->record(*copies_done_, Stream::copy);
   try {
     backend_->synchronize(*copies_done_);
   } catch (...) {
-    forget_unready_loads();
-    throw;
+    copy_failed();
   }
+  commit_write_backs();
 }
 
 void Engine::Impl::synchronize() {

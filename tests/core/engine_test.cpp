@@ -393,6 +393,105 @@ TEST(Engine, CopyThreadThrowingReachesTheWaiterWithoutHanging) {
                                   "injected exception in the copy thread");
 }
 
+// One slot for two blocks (N=2, K=1, R=1): block 0 is evicted after its forward and loaded
+// again at the end of the pass. Changes made to it on the device and marked dirty come back
+// with it, and reach its host copy at synchronize(), whole.
+struct ChangedBlock {
+  const FakeModel model = uniform(2, 1024);
+  std::shared_ptr<EmulatedDevice> device = slow_device();
+  Engine engine{device, model.bytes(), {.blocks_to_swap = 1, .rotating_slots = 1}};
+  std::vector<float> old_values, new_values;
+
+  ChangedBlock() {
+    model.fill(engine);
+    const auto* host = reinterpret_cast<const float*>(engine.host_data(0));
+    old_values.assign(host, host + 1024);
+    for (float v : old_values) new_values.push_back(v + 0.5f);
+    engine.prepare();
+  }
+  // Block 0's forward, which changes its weights on the device.
+  void change_block_0() {
+    engine.wait_for_block(0);
+    std::memcpy(engine.device_data(0), new_values.data(), 1024 * sizeof(float));
+    engine.mark_dirty(0);
+    engine.after_forward(0); // written back, block 1 loaded into the slot
+  }
+  std::vector<float> host_values() const {
+    const auto* host = reinterpret_cast<const float*>(engine.host_data(0));
+    return {host, host + 1024};
+  }
+  std::vector<float> device_values() const {
+    const auto* dev = reinterpret_cast<const float*>(engine.device_data(0));
+    return {dev, dev + 1024};
+  }
+};
+
+TEST(Engine, AChangedBlockIsWrittenBackAndComesBackWithItsChanges) {
+  ChangedBlock t;
+  t.engine.reset_stats();
+  t.change_block_0();
+  t.engine.wait_for_block(1);
+  EXPECT_EQ(t.model.compute(t.engine, 1), 0u);
+  t.engine.after_forward(1); // block 0 loaded again, from what was written back
+  // The next pass, without a synchronize in between: block 0 has its new values.
+  t.engine.prepare();
+  t.engine.wait_for_block(0);
+  EXPECT_EQ(t.device_values(), t.new_values);
+  t.engine.after_forward(0); // not changed this time: nothing written back
+  t.engine.wait_for_block(1);
+  t.engine.after_forward(1);
+  t.engine.synchronize();
+  EXPECT_EQ(t.host_values(), t.new_values);
+  const Stats stats = t.engine.stats();
+  EXPECT_EQ(stats.d2h_bytes, 1024 * sizeof(float)); // block 0 once, block 1 never
+  // And the host copy keeps them: a prepare after disabling reloads everything from it.
+  t.engine.disable();
+  t.engine.prepare();
+  t.engine.wait_for_block(0);
+  EXPECT_EQ(t.device_values(), t.new_values);
+}
+
+void expect_failed_write_back_keeps_the_old_values(
+    const std::function<void(EmulatedDevice&)>& inject, const std::string& message) {
+  ChangedBlock t;
+  inject(*t.device); // the next copy: block 0's write-back
+  t.change_block_0();
+  try {
+    t.engine.wait_for_block(1);
+    t.engine.after_forward(1);
+    t.engine.synchronize();
+    FAIL() << "the failed write-back was not reported";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(message), std::string::npos) << what;
+    EXPECT_NE(what.find("block(s) 0"), std::string::npos) << what;
+  }
+  t.engine.synchronize(); // nothing left to fail
+  EXPECT_EQ(t.host_values(), t.old_values); // all old, no byte of the new values
+  // Still usable: the next pass computes with the host copy's values.
+  for (int pass = 0; pass < 2; ++pass) {
+    t.engine.prepare();
+    forward(t.engine, t.model);
+  }
+}
+
+TEST(Engine, AFailedWriteBackKeepsTheOldValuesAndNamesTheBlock) {
+  expect_failed_write_back_keeps_the_old_values([](EmulatedDevice& d) { d.fail_copy(0); },
+                                                "injected failure");
+}
+
+// The link drops half-way through the write-back: half the new bytes have arrived. The host
+// copy still holds every old value, none of the new ones.
+TEST(Engine, AWriteBackThatFailsHalfWayLeavesNoMix) {
+  expect_failed_write_back_keeps_the_old_values(
+      [](EmulatedDevice& d) { d.fail_copy(0, 512 * sizeof(float)); }, "injected failure");
+}
+
+TEST(Engine, AWriteBackWhoseCopyThreadThrowsKeepsTheOldValues) {
+  expect_failed_write_back_keeps_the_old_values(
+      [](EmulatedDevice& d) { d.throw_in_copy_thread(0); }, "injected exception");
+}
+
 TEST(Engine, DisableKeepsEveryBlockOnTheDevice) {
   const FakeModel model = uniform(6, 1024);
   const std::size_t slot = 1024 * sizeof(float);

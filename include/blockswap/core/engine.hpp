@@ -154,7 +154,10 @@ public:
   std::byte* device_data(int64_t block) const;
   // The slot that holds block i, shared (Note [slot lifetime]). Throws unless block i is ready.
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
-  // Block i's weights were changed on the device: copy them back when it is evicted.
+  // Block i's weights were changed on the device: copy them back when it is evicted. The host
+  // copy (host_data) takes the new values at the next synchronize() (or prepare() that waits,
+  // or destruction), all at once; a copy that fails before then leaves it with the old values
+  // and the error names the block (Note [atomic write-back] in engine.cpp).
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
   void synchronize();

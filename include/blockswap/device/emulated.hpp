@@ -46,10 +46,11 @@ public:
   void synchronize(const Event& event) override;
   MemoryStats memory() const override;
 
-  // Fault injection: the copy enqueued `nth` copies from now (0 = the next one) fails without
-  // touching either side; the failure reaches whoever waits on the next event recorded on the
+  // Fault injection: the copy enqueued `nth` copies from now (0 = the next one) fails after
+  // copying its first `bytes_first` bytes (0: without touching either side), as a link that
+  // drops part-way would; the failure reaches whoever waits on the next event recorded on the
   // copy stream.
-  void fail_copy(std::size_t nth = 0);
+  void fail_copy(std::size_t nth = 0, std::size_t bytes_first = 0);
   // Fault injection: the copy thread itself throws while executing the `nth` copy from now, as
   // a bug or an allocation failure inside a copy engine would. The thread survives; the
   // exception reaches whoever waits on the next event recorded on the copy stream.

@@ -41,6 +41,7 @@ struct Task {
   bool to_device = true;
   int64_t tag = -1;
   bool throws = false;
+  std::size_t fail_after = 0; // with `fail`: the bytes copied before the failure
 };
 
 void poison_bytes(std::byte* data, std::size_t bytes) {
@@ -59,6 +60,7 @@ struct EmulatedDevice::State {
   bool stopping = false;
   std::exception_ptr pending_error; // a failed copy, waiting for the next record
   std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
+  std::size_t failure_copies_bytes = 0; // how much of the failing copy happens first
   std::size_t copies_until_throw = std::numeric_limits<std::size_t>::max();
   double copy_seconds = 0;
   CopyObserver observer;
@@ -71,7 +73,10 @@ struct EmulatedDevice::State {
   void enqueue(Task task) {
     {
       std::lock_guard lock(mutex);
-      if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) task.fail = true;
+      if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) {
+        task.fail = true;
+        task.fail_after = failure_copies_bytes;
+      }
       if (task.kind == Task::Kind::copy && copies_until_throw-- == 0) task.throws = true;
       queue.push_back(std::move(task));
     }
@@ -114,6 +119,9 @@ struct EmulatedDevice::State {
       break;
     case Task::Kind::copy: {
       if (task.fail) {
+        lock.unlock();
+        std::memcpy(task.dst, task.src, std::min(task.fail_after, task.bytes));
+        lock.lock();
         pending_error = std::make_exception_ptr(Error(
             detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
         break;
@@ -281,9 +289,10 @@ void EmulatedDevice::throw_in_copy_thread(std::size_t nth) {
   state_->copies_until_throw = nth;
 }
 
-void EmulatedDevice::fail_copy(std::size_t nth) {
+void EmulatedDevice::fail_copy(std::size_t nth, std::size_t bytes_first) {
   std::lock_guard lock(state_->mutex);
   state_->copies_until_failure = nth;
+  state_->failure_copies_bytes = bytes_first;
 }
 
 double EmulatedDevice::copy_seconds() const {
