@@ -84,6 +84,8 @@ private:
     // only once the copy stream has confirmed that copy; meanwhile loads read `staging`.
     std::unique_ptr<Buffer> staging;
     bool writing_back = false;
+    std::size_t trainable = 0; // the last `trainable` bytes may change on the device
+    std::size_t frozen() const { return bytes - trainable; }
     bool forwarded = false;        // computed since prepare(), outside a recompute pass
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
     int64_t replaced = -1;         // for debug lines: the block its load evicted
@@ -150,6 +152,10 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
       is_forward_only_(!options_.supports_backward) {
   BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_, "] the engine needs a backend");
+  BLOCKSWAP_CHECK(options_.trainable_bytes.empty() ||
+                      options_.trainable_bytes.size() == block_bytes.size(),
+                  "[", label_, "] trainable_bytes has ", options_.trainable_bytes.size(),
+                  " entries for ", block_bytes.size(), " blocks: give one per block, or none");
   if (options_.supports_backward) {
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
@@ -157,6 +163,9 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   for (std::size_t i = 0; i < block_bytes.size(); ++i) {
     BlockState& block = blocks_[i];
     block.bytes = block_bytes[i];
+    block.trainable = options_.trainable_bytes.empty() ? block.bytes : options_.trainable_bytes[i];
+    BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label_, "] block ", i, " has ",
+                    block.bytes, " bytes, fewer than its ", block.trainable, " trainable bytes");
     block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
     block.loaded = backend_->make_event();
   }
@@ -511,9 +520,12 @@ void Engine::Impl::evict(int64_t block, bool refilled) {
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty) {
-    if (!state.staging) state.staging = std::make_unique<Buffer>(backend_->allocate_host(state.bytes));
-    backend_->copy_to_host(state.staging->data(), slot.memory->data(), state.bytes, block);
-    stats_.d2h_bytes += state.bytes;
+    if (!state.staging) {
+      state.staging = std::make_unique<Buffer>(backend_->allocate_host(state.trainable));
+    }
+    backend_->copy_to_host(state.staging->data(), slot.memory->data() + state.frozen(),
+                           state.trainable, block);
+    stats_.d2h_bytes += state.trainable;
     state.dirty = false;
     state.writing_back = true;
   } else if (current().writes_back()) {
@@ -533,8 +545,16 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
-  const Buffer& source = state.writing_back ? *state.staging : *state.host;
-  backend_->copy_to_device(s.memory->data(), source.data(), state.bytes, block);
+  if (state.writing_back) {
+    // The frozen bytes from the host copy, the changed ones from where they were written back.
+    if (state.frozen() > 0) {
+      backend_->copy_to_device(s.memory->data(), state.host->data(), state.frozen(), block);
+    }
+    backend_->copy_to_device(s.memory->data() + state.frozen(), state.staging->data(),
+                             state.trainable, block);
+  } else {
+    backend_->copy_to_device(s.memory->data(), state.host->data(), state.bytes, block);
+  }
   backend_->record(*state.loaded, Stream::copy);
   stats_.h2d_bytes += state.bytes;
   s.block = block;
@@ -572,7 +592,7 @@ void Engine::Impl::forget_unready_loads() {
 void Engine::Impl::commit_write_backs() {
   for (BlockState& state : blocks_) {
     if (!state.writing_back) continue;
-    std::memcpy(state.host->data(), state.staging->data(), state.bytes);
+    std::memcpy(state.host->data() + state.frozen(), state.staging->data(), state.trainable);
     state.writing_back = false;
   }
 }
@@ -692,6 +712,9 @@ void Engine::Impl::mark_dirty(int64_t block) {
   check_block(block);
   BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", label_, "] block ", block,
                   " is not on the device, so it cannot have changed there");
+  BLOCKSWAP_CHECK(blocks_[block].trainable > 0, "[", label_, "] block ", block,
+                  " has no trainable bytes (EngineOptions::trainable_bytes), so nothing of it "
+                  "may change on the device");
   blocks_[block].dirty = true;
 }
 

@@ -451,6 +451,74 @@ TEST(Engine, AChangedBlockIsWrittenBackAndComesBackWithItsChanges) {
   EXPECT_EQ(t.device_values(), t.new_values);
 }
 
+// Frozen bytes are never copied back: only a block's trainable bytes (the last ones) return,
+// and only when it changed. A step of training with K = 2 of N = 4 where blocks 0 and 3 change
+// moves 2K loads and the two write-backs of their trainable bytes.
+TEST(Engine, OnlyTrainableBytesOfChangedBlocksAreWrittenBack) {
+  const FakeModel model = uniform(4, 1024);
+  constexpr std::size_t kTrainable = 256 * sizeof(float);
+  auto device = slow_device();
+  Engine engine(device, model.bytes(),
+                {.blocks_to_swap = 2,
+                 .supports_backward = true,
+                 .trainable_bytes = std::vector<std::size_t>(4, kTrainable)});
+  model.fill(engine);
+  engine.prepare();
+  engine.reset_stats();
+  forward(engine, model);
+  // Backward in the schedule's order; blocks 3 and 0 change every byte on the device (as a
+  // buggy step would), but only their trainable bytes may go back.
+  for (int64_t b = 3; b >= 0; --b) {
+    engine.wait_for_block(b);
+    if (b == 3 || b == 0) {
+      auto* dev = reinterpret_cast<float*>(engine.device_data(b));
+      for (std::size_t j = 0; j < 1024; ++j) dev[j] = -1.0f - float(j);
+      engine.mark_dirty(b);
+    }
+    engine.after_backward(b);
+  }
+  engine.prepare(); // the next step: block 3 leaves, block 0 stays
+  engine.synchronize();
+  const Stats stats = engine.stats();
+  EXPECT_EQ(stats.h2d_bytes, 4 * 1024 * sizeof(float)); // 2K loads
+  EXPECT_EQ(stats.d2h_bytes, kTrainable);               // block 3's; block 0 has not left
+  const auto* host3 = reinterpret_cast<const float*>(engine.host_data(3));
+  for (std::size_t j = 0; j < 1024; ++j) {
+    const float expected = j < 768 ? FakeModel::value(3, j) : -1.0f - float(j);
+    ASSERT_EQ(host3[j], expected) << "float " << j;
+  }
+  // The next forward: block 0 still holds its changes on the device, and block 3 comes back
+  // with its frozen bytes from the host and its trainable ones as written back.
+  for (int64_t b = 0; b < 4; ++b) {
+    engine.wait_for_block(b);
+    const auto* dev = reinterpret_cast<const float*>(engine.device_data(b));
+    for (std::size_t j = 0; j < 1024; ++j) {
+      const bool changed = b == 0 || (b == 3 && j >= 768);
+      ASSERT_EQ(dev[j], changed ? -1.0f - float(j) : FakeModel::value(b, j))
+          << "block " << b << " float " << j;
+    }
+    engine.after_forward(b);
+  }
+}
+
+TEST(Engine, TrainableBytesAreChecked) {
+  const FakeModel model = uniform(3, 64);
+  auto device = slow_device();
+  EXPECT_THROW(Engine(device, model.bytes(), {.trainable_bytes = {4, 4}}), Error);
+  EXPECT_THROW(Engine(device, model.bytes(), {.trainable_bytes = {4, 4, 1000}}), Error);
+  Engine engine(device, model.bytes(), {.trainable_bytes = {0, 64, 0}});
+  engine.prepare();
+  engine.wait_for_block(0);
+  try {
+    engine.mark_dirty(0);
+    FAIL() << "a block with no trainable bytes was marked dirty";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no trainable bytes"), std::string::npos) << e.what();
+  }
+  engine.wait_for_block(1);
+  engine.mark_dirty(1);
+}
+
 void expect_failed_write_back_keeps_the_old_values(
     const std::function<void(EmulatedDevice&)>& inject, const std::string& message) {
   ChangedBlock t;

@@ -42,6 +42,11 @@ struct EngineOptions {
   bool debug = false; // print each move and wait with its duration, as the seed does
   std::function<void(const std::string&)> log = {}; // debug lines go here; stderr when empty
   std::shared_ptr<Trace> trace = {}; // when set: every copy, and every wait that stalls
+  // Per block, how many bytes at the end of its packed weights may change on the device
+  // (trainable weights and their optimizer state): only those are copied back when the block
+  // is marked dirty; the bytes before them are frozen and never copied back. Empty: all of
+  // every block's bytes.
+  std::vector<std::size_t> trainable_bytes = {};
 };
 
 struct Stats {
@@ -154,7 +159,8 @@ public:
   std::byte* device_data(int64_t block) const;
   // The slot that holds block i, shared (Note [slot lifetime]). Throws unless block i is ready.
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
-  // Block i's weights were changed on the device: copy them back when it is evicted. The host
+  // Block i's weights were changed on the device: copy its trainable bytes
+  // (EngineOptions::trainable_bytes) back when it is evicted. Throws when it has none. The host
   // copy (host_data) takes the new values at the next synchronize() (or prepare() that waits,
   // or destruction), all at once; a copy that fails before then leaves it with the old values
   // and the error names the block (Note [atomic write-back] in engine.cpp).
