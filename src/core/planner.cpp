@@ -15,9 +15,43 @@ struct ListFacts {
 };
 
 // Bytes moved per step for each valid K, from the schedule itself.
+// Sizes whose sums could wrap around are refused: every sum the planner makes (a list's bytes,
+// its slots, every list's slots and moves together) stays below this.
+constexpr std::size_t kMostBytes = std::numeric_limits<std::size_t>::max() / 8;
+
+void check_sizes(const std::vector<std::size_t>& blocks) {
+  std::size_t total = 0, largest = 0;
+  for (std::size_t bytes : blocks) {
+    BLOCKSWAP_CHECK(bytes <= kMostBytes - total, "the planner cannot plan blocks of ", bytes,
+                    " bytes: a list's blocks must add up to at most ", kMostBytes, " bytes");
+    total += bytes;
+    largest = std::max(largest, bytes);
+  }
+  BLOCKSWAP_CHECK(largest <= kMostBytes / blocks.size(), "the planner cannot plan ",
+                  blocks.size(), " slots of ", largest, " bytes: at most ", kMostBytes,
+                  " bytes of slots per list");
+}
+
+// Every list's slots with nothing swapped, plus the fixed bytes, must stay below kMostBytes:
+// then no sum of device bytes or bytes moved the planner makes can wrap around.
+void check_lists(std::span<const std::vector<std::size_t>> lists, std::size_t fixed_bytes) {
+  std::size_t most = fixed_bytes;
+  BLOCKSWAP_CHECK(fixed_bytes <= kMostBytes, "the planner cannot plan ", fixed_bytes,
+                  " fixed bytes: at most ", kMostBytes);
+  for (const auto& list : lists) {
+    BLOCKSWAP_CHECK(!list.empty(), "the planner needs at least one block in every list");
+    check_sizes(list);
+    const std::size_t slots = list.size() * layout::slot_bytes(list);
+    BLOCKSWAP_CHECK(slots <= kMostBytes - most, "the planner cannot plan these block lists: "
+                    "their slots add up to more than ", kMostBytes, " bytes");
+    most += slots;
+  }
+}
+
 ListFacts facts(const std::vector<std::size_t>& blocks, Mode mode) {
   const auto n = static_cast<int64_t>(blocks.size());
   BLOCKSWAP_CHECK(n >= 1, "the planner needs at least one block in every list");
+  check_sizes(blocks);
   std::size_t total = 0;
   for (std::size_t bytes : blocks) total += bytes;
   ListFacts f{layout::slot_bytes(blocks), Schedule::max_blocks_to_swap(n, mode), {}};
@@ -123,6 +157,7 @@ std::vector<int64_t> search(std::span<const std::vector<std::size_t>> lists,
 
 std::size_t smallest_budget(std::span<const std::vector<std::size_t>> lists, Mode mode,
                             std::size_t fixed_bytes) {
+  check_lists(lists, fixed_bytes);
   std::size_t smallest = fixed_bytes;
   for (const auto& list : lists) {
     const auto n = static_cast<int64_t>(list.size());
@@ -158,6 +193,7 @@ SwapPlan plan_for(std::span<const std::vector<std::size_t>> lists, std::span<con
                   Mode mode, std::size_t fixed_bytes) {
   BLOCKSWAP_CHECK(lists.size() == ks.size() && !lists.empty(),
                   "plan_for: one K per block list, and at least one list");
+  check_lists(lists, fixed_bytes);
   SwapPlan plan{{}, fixed_bytes, 0};
   for (std::size_t i = 0; i < lists.size(); ++i) {
     const ListFacts f = facts(lists[i], mode);

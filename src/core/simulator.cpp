@@ -18,16 +18,18 @@ void check_list(const SimulatedList& list) {
   BLOCKSWAP_CHECK(t.forward_seconds.size() == n && t.bytes.size() == n, "simulator: ", n,
                   " blocks in the schedule but ", t.forward_seconds.size(),
                   " forward times and ", t.bytes.size(), " block sizes");
-  BLOCKSWAP_CHECK(t.backward_factor >= 0, "simulator: backward_factor must be >= 0, got ",
-                  t.backward_factor);
+  BLOCKSWAP_CHECK(std::isfinite(t.backward_factor) && t.backward_factor >= 0,
+                  "simulator: backward_factor must be finite and >= 0, got ", t.backward_factor);
   for (double s : t.forward_seconds) {
-    BLOCKSWAP_CHECK(s >= 0, "simulator: a forward time must be >= 0, got ", s);
+    BLOCKSWAP_CHECK(std::isfinite(s) && s >= 0,
+                    "simulator: a forward time must be finite and >= 0, got ", s);
   }
 }
 
 void check_lists(std::span<const SimulatedList> lists, const LinkModel& link) {
   BLOCKSWAP_CHECK(!lists.empty(), "simulator: no block list");
-  BLOCKSWAP_CHECK(link.bytes_per_second > 0 && link.latency_seconds >= 0,
+  BLOCKSWAP_CHECK(std::isfinite(link.bytes_per_second) && std::isfinite(link.latency_seconds) &&
+                      link.bytes_per_second > 0 && link.latency_seconds >= 0,
                   "simulator: the link needs bytes_per_second > 0 and latency_seconds >= 0, got ",
                   link.bytes_per_second, " and ", link.latency_seconds);
   for (const SimulatedList& list : lists) {
@@ -300,6 +302,10 @@ Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link)
         result.step_seconds = (clock.compute_end() - chunk_start) / kPassesPerChunk;
         result.lists = std::move(out);
         result.warmup_passes = played - kPassesPerChunk;
+        result.steady = steady;
+        // Not steady within kMaxPasses: a backlog on the link still grows (a link slower than
+        // the compute by a hair), so in the long run the link sets the pace.
+        if (!steady) result.step_seconds = std::max(result.step_seconds, result.link_busy_seconds);
         return result;
       }
       last_state = std::move(state);
@@ -369,6 +375,7 @@ int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
   const auto n = static_cast<int64_t>(timing.forward_seconds.size());
   Schedule::check(n, blocks_to_swap, Mode::forward_only);
   if (blocks_to_swap == 0) return 0;
+  if (algorithm == Algorithm::seed) return n - blocks_to_swap; // the seed rotates every block
   int64_t best = 1;
   double best_seconds = std::numeric_limits<double>::infinity();
   for (int64_t r = 1; r <= n - blocks_to_swap; ++r) {

@@ -133,6 +133,22 @@ TEST(Planner, ManyListsArePairwiseOptimalAndMatchTheExhaustiveSearch) {
   EXPECT_GE(exact, trials * 9 / 10) << exact << " of " << trials << " exhaustive answers";
 }
 
+// Sizes whose sums would wrap around a size_t are refused, not planned wrongly.
+TEST(Planner, SizesTooLargeToAddUpAreErrors) {
+  constexpr std::size_t kMax = std::numeric_limits<std::size_t>::max();
+  const std::vector<std::vector<std::size_t>> huge{{kMax / 2, kMax / 2, kMax / 2}};
+  EXPECT_THROW(smallest_budget(huge, Mode::training), Error);
+  EXPECT_THROW(plan_swaps(huge, kMax, Mode::training), Error);
+  const std::vector<std::vector<std::size_t>> one{{kMax - 5}};
+  EXPECT_THROW(plan_swaps(one, kMax, Mode::forward_only), Error);
+  const std::vector<std::vector<std::size_t>> small{{1000, 2000, 3000}};
+  EXPECT_THROW(plan_swaps(small, kMax, Mode::forward_only, kMax - 10), Error);
+  EXPECT_THROW(plan_for(small, std::vector<int64_t>{1}, Mode::forward_only, kMax - 10), Error);
+  // Large but real: 12 lists of 100 blocks of 4 GB plan.
+  const std::vector<std::vector<std::size_t>> big(12, std::vector<std::size_t>(100, 4'000'000'000));
+  EXPECT_NO_THROW(plan_swaps(big, std::size_t{2'000'000'000'000}, Mode::training));
+}
+
 TEST(Planner, TwelveGroupsOfTwelveBlocksPlanInUnderASecond) {
   std::vector<std::vector<std::size_t>> lists;
   for (int g = 0; g < 12; ++g) lists.emplace_back(12, std::size_t{100'000'000} + g * 7'000'000);

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <limits>
 #include <random>
 
 #include "blockswap/core/error.hpp"
@@ -167,6 +169,22 @@ TEST(Simulator, NeverBeatsTheBoundWithUnevenBlocks) {
   }
 }
 
+// A link slower than the compute by a hair: the backlog grows for longer than the simulator
+// plays; then the link sets the pace, and the step is still never below the bound.
+TEST(Simulator, ABacklogThatNeverSettlesIsPacedByTheLink) {
+  for (double excess : {1e-3, 1e-4, 1e-6}) {
+    const Schedule s({8, 1, Mode::forward_only, 7, Algorithm::seed});
+    const BlockTiming t = uniform_timing(8, 0.01, 10'000'000);
+    // The seed copies 16 blocks per pass: 16 copies take the 8 computes' time, times 1+excess.
+    const LinkModel link{16 * 10'000'000 / (8 * 0.01) / (1 + excess)};
+    const Simulation r = simulate(s, t, link);
+    EXPECT_GE(r.step_seconds, step_bound(s, t, link) * (1 - 1e-9)) << excess;
+    if (!r.steady) {
+      EXPECT_NEAR(r.step_seconds, r.link_busy_seconds, 1e-12) << excess;
+    }
+  }
+}
+
 TEST(Simulator, BestRotatingSlotsIsTheFastest) {
   const BlockTiming t = uniform_timing(24, kC, kS);
   for (int64_t k : {1, 6, 12, 20}) {
@@ -191,6 +209,10 @@ TEST(Simulator, RejectsTimingThatDoesNotFit) {
   negative.forward_seconds[2] = -1;
   EXPECT_THROW(simulate(s, negative, kUnitLink), Error);
   EXPECT_THROW(simulate(s, uniform_timing(4, kC, kS), LinkModel{0}), Error);
+  EXPECT_THROW(simulate(s, uniform_timing(4, std::numeric_limits<double>::infinity(), kS),
+                        kUnitLink),
+               Error);
+  EXPECT_THROW(simulate(s, uniform_timing(4, kC, kS), LinkModel{1000, std::nan("")}), Error);
   EXPECT_THROW(step_bound(s, uniform_timing(4, kC, kS), LinkModel{-5}), Error);
 }
 

@@ -5,9 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <limits>
 #include <random>
 #include <cmath>
 #include <thread>
+
+#include <time.h>
 
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
@@ -85,16 +88,21 @@ TEST(TimedDevice, TheHostWaitsInDeviceTimeAndItsWorkCounts) {
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - real).count(), 1.0);
   // Host work between calls (CPU time) is on the host's clock: a computation enqueued after it
   // starts no earlier. Sleeping is not work.
+  auto cpu_seconds = [] {
+    timespec t{};
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return double(t.tv_sec) + double(t.tv_nsec) * 1e-9;
+  };
   const double before_work = device.now();
-  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(30);
+  const double cpu_start = cpu_seconds();
   volatile uint64_t spin = 0;
-  while (std::chrono::steady_clock::now() < until) spin = spin + 1;
-  EXPECT_GE(device.now() - before_work, 0.02); // most of the 30 ms ran on a CPU
+  while (cpu_seconds() - cpu_start < 0.03) spin = spin + 1; // 30 ms of this thread's CPU
+  EXPECT_GE(device.now() - before_work, 0.03);
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
   const double after_sleep = device.now();
-  EXPECT_LT(after_sleep - before_work, 0.045);
+  EXPECT_LT(after_sleep - before_work, 0.045); // the sleep added (almost) nothing
   device.compute(0.1);
-  EXPECT_GE(device.finish() - start, 2.0 + 0.02 + 0.1 - 1e-9);
+  EXPECT_GE(device.finish() - start, 2.0 + 0.03 + 0.1 - 1e-9);
 }
 
 TEST(TimedDevice, MemoryIsAccountedAndHoldsNoData) {
@@ -119,6 +127,37 @@ TEST(TimedDevice, RejectsABadLinkAndAForeignEvent) {
   class Foreign final : public Event {};
   Foreign foreign;
   EXPECT_THROW(device.record(foreign, Stream::copy), Error);
+  // An event of another timed device would carry that device's clock: refused too.
+  TimedDevice other;
+  auto theirs = other.make_event();
+  EXPECT_THROW(device.wait(Stream::compute, *theirs), Error);
+  EXPECT_THROW(device.compute(std::numeric_limits<double>::infinity()), Error);
+  EXPECT_THROW(TimedDevice({.link = {std::numeric_limits<double>::infinity()}}), Error);
+}
+
+TEST(TimedDevice, TimeStepRefusesEnginesInDifferentModes) {
+  auto device = std::make_shared<TimedDevice>();
+  Engine infer(device, std::vector<std::size_t>(3, 1000), {.blocks_to_swap = 1});
+  Engine train(device, std::vector<std::size_t>(4, 1000),
+               {.blocks_to_swap = 1, .supports_backward = true});
+  const BlockTiming t3 = uniform_timing(3, 0.01, 1000), t4 = uniform_timing(4, 0.01, 1000);
+  const TimedList lists[] = {{&infer, &t3}, {&train, &t4}};
+  EXPECT_THROW(time_step(*device, lists), Error);
+}
+
+// The link's busy time per pass is the simulator's, whatever the warm-up.
+TEST(TimedDevice, LinkBusyPerPassIsTheSimulators) {
+  const LinkModel link{1e9, 0};
+  const BlockTiming timing = uniform_timing(8, 0.01, 10'000'000);
+  for (int warmup : {0, 6, 60}) {
+    auto device = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
+    Engine engine(device, timing.bytes, {.blocks_to_swap = 1});
+    const TimedList list{&engine, &timing};
+    const TimedStep step = time_step(*device, std::span(&list, 1), warmup);
+    EXPECT_NEAR(step.link_busy_seconds, simulate(engine.schedule(), timing, link).link_busy_seconds,
+                1e-9)
+        << "warm-up " << warmup;
+  }
 }
 
 // The engine's stall, measured with events on the device, is the simulator's.

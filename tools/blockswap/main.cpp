@@ -97,21 +97,23 @@ int main(int argc, char** argv) {
   plan_cmd
       ->add_option("--link-gbps", plan.link_gbps,
                    "prediction: host-to-device GB/s (PCIe 4 pinned measures about 25)")
-      ->check(CLI::Range(kMinLinkGbps, 1e6))
+      ->check(number_in(kMinLinkGbps, 1e6))
       ->capture_default_str();
-  plan_cmd
+  CLI::Option* block_ms = plan_cmd
       ->add_option("--block-ms", plan.block_ms,
                    "prediction: the forward of the largest block, in ms (others in proportion "
                    "to their bytes); default: from --tflops and --tokens")
-      ->check(CLI::Range(1e-6, 1e9));
+      ->check(number_in(1e-6, 1e9));
   plan_cmd
       ->add_option("--tflops", plan.tflops,
                    "prediction: the device's sustained TFLOP/s (a block's forward = 2 x its "
                    "parameters x --tokens FLOPs)")
-      ->check(CLI::Range(1e-6, 1e9))
+      ->check(number_in(1e-6, 1e9))
+      ->excludes(block_ms)
       ->capture_default_str();
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))
+      ->excludes(block_ms)
       ->capture_default_str();
 
   BenchArgs bench;

@@ -151,14 +151,18 @@ int plan_command(const PlanArgs& args) {
               format_bytes(plan.device_bytes).c_str(), format_bytes(budget).c_str(),
               format_bytes(plan.moved_bytes).c_str(), mode == Mode::training ? "step" : "pass");
   std::printf("(activations, gradients and optimizer state need device memory beyond this)\n");
-  std::string compute =
+  const std::string compute =
       args.block_ms > 0
           ? detail::concat("the largest block's forward ", args.block_ms, " ms")
-          : detail::concat(args.tflops, " TFLOP/s, ", args.tokens, " tokens per step");
-  std::printf("\npredicted %s (schedule simulator; link %g GB/s, %s, backward 2x forward): "
-              "%.3f s against %.3f s without swapping, %+.1f %%\n",
+          : detail::concat(args.tflops, " TFLOP/s, ", args.tokens, " tokens");
+  const std::string change = prediction.noswap_seconds > 0
+                                 ? detail::concat(overhead >= 0 ? "+" : "", overhead * 100, " %")
+                                 : std::string("no compute to compare with");
+  std::printf("\npredicted %s (schedule simulator; link %g GB/s and 5 us per copy, %s%s): %.4g s "
+              "against %.4g s without swapping, %s\n",
               mode == Mode::training ? "step" : "pass", args.link_gbps, compute.c_str(),
-              prediction.step_seconds, prediction.noswap_seconds, overhead * 100);
+              mode == Mode::training ? ", backward 2x forward" : "", prediction.step_seconds,
+              prediction.noswap_seconds, change.c_str());
   if (mode == Mode::forward_only) {
     std::printf("rotating slots (Options::rotating_slots):");
     for (std::size_t i = 0; i < plan.groups.size(); ++i) {

@@ -76,6 +76,27 @@ inline CLI::Validator link_bandwidth() {
       "");
 }
 
+// A finite decimal number in [lo, hi] (no hex, no trailing letters, no nan or inf).
+inline CLI::Validator number_in(double lo, double hi) {
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        double value = 0;
+        const char* end = text.data() + text.size();
+        const auto [ptr, ec] =
+            std::from_chars(text.data(), end, value, std::chars_format::general);
+        const std::string expected = detail::concat("expected a number from ", lo, " to ", hi);
+        if (ptr != end || ec == std::errc::invalid_argument) {
+          return detail::concat("'", text, "' is not a number: ", expected);
+        }
+        if (ec == std::errc::result_out_of_range || !std::isfinite(value) || value < lo ||
+            value > hi) {
+          return detail::concat("'", text, "' is out of range: ", expected);
+        }
+        return {};
+      },
+      "NUMBER");
+}
+
 // cpu (the emulated device), cuda or cuda:N. Whether CUDA is present is checked when running.
 inline CLI::Validator device_name() {
   return CLI::Validator(

@@ -101,7 +101,7 @@ struct TimedStep {
   // As Simulation::step_seconds: training, one step; forward-only, the mean pass of a sequence.
   double step_seconds = 0;
   double stall_seconds = 0;     // the compute stream idle before the step's computations
-  double link_busy_seconds = 0; // per step (forward-only: approximately, see time_step)
+  double link_busy_seconds = 0; // per step
   std::vector<ComputeRecord> computations; // of the (measured) step(s), in order
 };
 
@@ -111,7 +111,9 @@ struct TimedStep {
 // forward ran in, compute forward × backward_factor). Training: one step from the steady state.
 // Forward-only: `warmup_passes` passes, then kPassesPerChunk measured ones, in sequence
 // (simulator.hpp; Simulation::warmup_passes is the number the steady state needs). Tags in
-// `computations` are the block index. Throws Error when a list does not match its engine.
+// `computations` are the block index. The engines must run on `device` (directly, or attached
+// through a blockswap::Device over it). Throws Error when a list does not match its engine, or
+// the engines are not all in the same mode.
 TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists,
                     int warmup_passes = kPassesPerChunk);
 

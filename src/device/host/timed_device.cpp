@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -28,6 +29,8 @@ struct Mark {
 
 class TimedEvent final : public Event {
 public:
+  explicit TimedEvent(uint64_t maker) : device(maker) {}
+  uint64_t device; // the id of the TimedDevice that made it
   std::shared_ptr<Mark> mark = std::make_shared<Mark>(Mark{true, 0});
 };
 
@@ -43,9 +46,10 @@ struct Task {
   std::shared_ptr<Mark> mark; // wait, record
 };
 
-const TimedEvent& timed(const Event& event) {
+const TimedEvent& timed(const Event& event, uint64_t device) {
   const auto* e = dynamic_cast<const TimedEvent*>(&event);
-  BLOCKSWAP_CHECK(e != nullptr, "timed device: the event was not made by this backend");
+  BLOCKSWAP_CHECK(e != nullptr && e->device == device,
+                  "timed device: the event was not made by this backend");
   return *e;
 }
 
@@ -75,7 +79,8 @@ Buffer reserve(std::size_t bytes) {
 // Each stream runs its tasks in order on its own thread and keeps its own clock, `free`: the
 // device time at which it finished its last task. A task starts at max(free, enqueued): no
 // earlier than the host enqueued it. A wait moves the clock to the awaited mark's time; a
-// record stamps its mark with the clock. The host's clock advances by the CPU time the host
+// record stamps its mark with the clock. The threads are woken only by a wait (the host's, or
+// a stream's for the other's mark) and at destruction, not by each enqueue. The host's clock advances by the CPU time the host
 // thread spends between its calls into the device (the engine's own work counts; time the
 // thread is not running, preempted by other processes, does not), and jumps to a mark's time
 // when the host waits for it (the threads' own wake-ups do not count either). Everything is under one mutex; the threads only sleep on
@@ -124,7 +129,13 @@ struct TimedDevice::State {
       task.enqueued = host_now_locked();
       streams[index(stream)].queue.push_back(std::move(task));
     }
-    streams[index(stream)].work.notify_one();
+    // No wake-up here: the streams run when someone waits (wake_streams), so the host pays a
+    // lock per call, not a thread wake-up; in device time nothing changes.
+  }
+
+  // Called by whoever is about to wait for a mark: the streams run what they have.
+  void wake_streams() {
+    for (StreamState& stream : streams) stream.work.notify_one();
   }
 
   // A copy: the copy stream busy for the link's time for `bytes`.
@@ -148,6 +159,7 @@ struct TimedDevice::State {
       Task& task = stream.queue.front();
       if (task.kind == Task::Kind::wait) {
         const std::shared_ptr<Mark> mark = task.mark;
+        if (!mark->done) wake_streams(); // the other stream completes it
         marked.wait(lock, [&] { return mark->done; });
       }
       Task done = std::move(stream.queue.front());
@@ -196,6 +208,7 @@ struct TimedDevice::State {
   // Blocks until `mark` is done; returns its time.
   double wait_for(const std::shared_ptr<Mark>& mark) {
     std::unique_lock lock(mutex);
+    if (!mark->done) wake_streams();
     marked.wait(lock, [&] { return mark->done; });
     host_resumes_locked(mark->time);
     return mark->time;
@@ -205,7 +218,9 @@ struct TimedDevice::State {
 };
 
 TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<State>()) {
-  BLOCKSWAP_CHECK(options.link.bytes_per_second > 0 && options.link.latency_seconds >= 0,
+  BLOCKSWAP_CHECK(std::isfinite(options.link.bytes_per_second) &&
+                      std::isfinite(options.link.latency_seconds) &&
+                      options.link.bytes_per_second > 0 && options.link.latency_seconds >= 0,
                   "timed device: the link needs bytes_per_second > 0 and latency_seconds >= 0, "
                   "got ",
                   options.link.bytes_per_second, " and ", options.link.latency_seconds);
@@ -265,7 +280,8 @@ void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, 
 }
 
 void TimedDevice::compute(double seconds, int64_t tag) {
-  BLOCKSWAP_CHECK(seconds >= 0, "timed device: a computation cannot take ", seconds, " seconds");
+  BLOCKSWAP_CHECK(std::isfinite(seconds) && seconds >= 0, "timed device: a computation cannot take ",
+                  seconds, " seconds");
   Task task;
   task.kind = Task::Kind::busy;
   task.seconds = seconds;
@@ -281,11 +297,11 @@ void TimedDevice::set_copy_observer(CopyObserver observer) {
 void TimedDevice::poison(std::byte*, std::size_t) {}
 
 std::unique_ptr<Event> TimedDevice::make_event() {
-  return std::make_unique<TimedEvent>();
+  return std::make_unique<TimedEvent>(state_->id);
 }
 
 void TimedDevice::record(Event& event, Stream stream) {
-  auto& e = const_cast<TimedEvent&>(timed(event));
+  auto& e = const_cast<TimedEvent&>(timed(event, state_->id));
   e.mark = std::make_shared<Mark>();
   Task task;
   task.kind = Task::Kind::record;
@@ -296,18 +312,21 @@ void TimedDevice::record(Event& event, Stream stream) {
 void TimedDevice::wait(Stream stream, const Event& event) {
   Task task;
   task.kind = Task::Kind::wait;
-  task.mark = timed(event).mark;
+  task.mark = timed(event, state_->id).mark;
   state_->enqueue(stream, std::move(task));
 }
 
 void TimedDevice::synchronize(const Event& event) {
-  state_->wait_for(timed(event).mark);
+  state_->wait_for(timed(event, state_->id).mark);
 }
 
 std::optional<double> TimedDevice::elapsed_seconds(const Event& start, const Event& end) const {
-  const std::shared_ptr<Mark> a = timed(start).mark, b = timed(end).mark;
+  const std::shared_ptr<Mark> a = timed(start, state_->id).mark, b = timed(end, state_->id).mark;
   std::lock_guard lock(state_->mutex);
-  if (!a->done || !b->done) return std::nullopt;
+  if (!a->done || !b->done) {
+    state_->wake_streams(); // so that a later call finds them done
+    return std::nullopt;
+  }
   return b->time - a->time;
 }
 
@@ -323,7 +342,7 @@ double TimedDevice::now() const {
 }
 
 double TimedDevice::finish() {
-  TimedEvent compute_done, copy_done;
+  TimedEvent compute_done(state_->id), copy_done(state_->id);
   record(compute_done, Stream::compute);
   record(copy_done, Stream::copy);
   const double a = state_->wait_for(compute_done.mark);
@@ -388,8 +407,12 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
     const auto n = static_cast<std::size_t>(list.engine->blocks());
     BLOCKSWAP_CHECK(list.timing->forward_seconds.size() == n, "time_step: the engine has ", n,
                     " blocks but the timing ", list.timing->forward_seconds.size());
-    training = training || !list.engine->forward_only();
     blocks += n;
+  }
+  training = !lists[0].engine->forward_only();
+  for (const TimedList& list : lists) {
+    BLOCKSWAP_CHECK(list.engine->forward_only() != training,
+                    "time_step: every engine of a step must be in the same mode");
   }
   std::vector<std::vector<const Buffer*>> computed_in(lists.size());
   const Compute compute{.differentiable = training};
@@ -419,14 +442,11 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
   // waiting between passes.
   BLOCKSWAP_CHECK(warmup_passes >= 0, "time_step: warmup_passes must be >= 0, got ",
                   warmup_passes);
-  double link_before = 0;
+  // Every pass makes the same copies, so the link's time per pass is its time over all of
+  // them divided by their number (counted at the end: the copy thread may lag the host).
+  const double link_before = device.link_busy_seconds();
   const int passes = warmup_passes + kPassesPerChunk;
-  for (int pass = 0; pass < passes; ++pass) {
-    // The copy stream's busy time so far: the warm-up passes' copies are enqueued by now, and
-    // run in a moment of real time (the copy thread does not sleep through them).
-    if (pass == warmup_passes) link_before = device.link_busy_seconds();
-    forward_pass(device, lists, compute, computed_in);
-  }
+  for (int pass = 0; pass < passes; ++pass) forward_pass(device, lists, compute, computed_in);
   device.finish();
   const std::vector<ComputeRecord> log = device.take_compute_log();
   BLOCKSWAP_ASSERT(log.size() == blocks * static_cast<std::size_t>(passes));
@@ -440,7 +460,7 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
   }
   for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
   step.stall_seconds /= kPassesPerChunk;
-  step.link_busy_seconds = (device.link_busy_seconds() - link_before) / kPassesPerChunk;
+  step.link_busy_seconds = (device.link_busy_seconds() - link_before) / passes;
   return step;
 }
 
