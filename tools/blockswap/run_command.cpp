@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
@@ -152,7 +153,7 @@ int run_command(const RunArgs& args) {
   // The simulator's prediction of the swapped step from the baseline's: every block's forward
   // the same, backward twice the forward (an assumption), the link at --link-gbps.
   double predicted = 0;
-  if (args.link_gbps > 0) {
+  if (args.link_gbps > 0 && std::isfinite(args.link_gbps * 1e9)) {
     const int64_t n = config.blocks;
     const double forward = baseline.step_seconds / (double(n) * (train ? 3.0 : 1.0));
     const Schedule schedule({n, k, mode});
