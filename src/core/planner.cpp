@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "blockswap/core/error.hpp"
 
@@ -82,30 +83,41 @@ std::size_t device_of(const std::vector<std::size_t>& list, const ListFacts& f, 
          f.slot_bytes;
 }
 
-// The best K for lists i and j together, the others' slots taking `others` of `budget`: for
-// each K of list i, the smallest K of list j that fits (moved bytes never fall as K grows, and
-// the smallest K holds the most). Exact. Leaves k unchanged when nothing fits.
+// Lists a and b together in `room` bytes: for each K of list a that fits, the smallest K of
+// list b that fits with it (moved bytes never fall as K grows, and the smallest K holds the
+// most), as {K_a, K_b} pairs: every plan that no other betters in both bytes moved and device
+// bytes.
+std::vector<std::pair<int64_t, int64_t>> pair_frontier(const std::vector<std::size_t>& a,
+                                                       const ListFacts& fa,
+                                                       const std::vector<std::size_t>& b,
+                                                       const ListFacts& fb, std::size_t room) {
+  std::vector<std::pair<int64_t, int64_t>> frontier;
+  const auto nb = static_cast<int64_t>(b.size());
+  for (int64_t ka = 0; ka <= fa.max_k; ++ka) {
+    const std::size_t da = device_of(a, fa, ka);
+    if (da > room) continue;
+    const int64_t kb = std::max<int64_t>(0, nb - slots_in(room - da, fb.slot_bytes, nb));
+    if (kb <= fb.max_k) frontier.emplace_back(ka, kb);
+  }
+  return frontier;
+}
+
+// The best K for lists i and j together, the others' slots taking `others` of `budget`: the
+// best of their frontier. Exact. Leaves k unchanged when nothing fits.
 void best_pair(std::span<const std::vector<std::size_t>> lists, const std::vector<ListFacts>& f,
                std::size_t budget, std::size_t others, std::size_t i, std::size_t j,
                std::vector<int64_t>& k) {
+  if (others > budget) return;
   Score best{std::numeric_limits<std::size_t>::max(), 0};
-  std::vector<int64_t> chosen = k;
-  const auto nj = static_cast<int64_t>(lists[j].size());
-  for (int64_t ki = 0; ki <= f[i].max_k; ++ki) {
-    const std::size_t di = device_of(lists[i], f[i], ki);
-    if (others + di > budget) continue;
-    const std::size_t room = budget - others - di;
-    const auto fitting = slots_in(room, f[j].slot_bytes, nj); // slots of list j
-    const int64_t kj = std::max<int64_t>(0, nj - fitting);
-    if (kj > f[j].max_k) continue;
-    const Score score{f[i].moved[ki] + f[j].moved[kj], di + device_of(lists[j], f[j], kj)};
+  for (const auto& [ki, kj] : pair_frontier(lists[i], f[i], lists[j], f[j], budget - others)) {
+    const Score score{f[i].moved[ki] + f[j].moved[kj],
+                      device_of(lists[i], f[i], ki) + device_of(lists[j], f[j], kj)};
     if (score.better_than(best)) {
       best = score;
-      chosen[i] = ki;
-      chosen[j] = kj;
+      k[i] = ki;
+      k[j] = kj;
     }
   }
-  k = chosen;
 }
 
 // The K of every list. One list: the smallest K that fits. Two: exact (best_pair). More: from
@@ -214,13 +226,9 @@ std::vector<std::vector<int64_t>> budget_frontier(std::span<const std::vector<st
   const SwapPlan best = plan_swaps(lists, budget_bytes, mode, fixed_bytes); // checks the budget
   if (lists.size() == 1) return {{best.lists[0].blocks_to_swap}};
   const ListFacts a = facts(lists[0], mode), b = facts(lists[1], mode);
-  const auto nb = static_cast<int64_t>(lists[1].size());
   std::vector<std::vector<int64_t>> frontier;
-  for (int64_t ka = 0; ka <= a.max_k; ++ka) {
-    const std::size_t used = fixed_bytes + device_of(lists[0], a, ka);
-    if (used > budget_bytes) continue;
-    const int64_t kb = std::max<int64_t>(0, nb - slots_in(budget_bytes - used, b.slot_bytes, nb));
-    if (kb <= b.max_k) frontier.push_back({ka, kb});
+  for (const auto& [ka, kb] : pair_frontier(lists[0], a, lists[1], b, budget_bytes - fixed_bytes)) {
+    frontier.push_back({ka, kb});
   }
   return frontier;
 }

@@ -12,6 +12,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "device_account.hpp"
 
 namespace blockswap {
 namespace {
@@ -65,8 +66,7 @@ struct EmulatedDevice::State {
   double copy_seconds = 0;
   CopyObserver observer;
 
-  std::size_t device_bytes = 0;
-  std::size_t peak_device_bytes = 0;
+  host::DeviceAccount account; // capacity set by the constructor
 
   std::thread thread;
 
@@ -175,6 +175,7 @@ EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : state_(std::make
   BLOCKSWAP_CHECK(options.link_gbps >= 0, "emulated device: link_gbps must be >= 0, got ",
                   options.link_gbps);
   state_->options = options;
+  state_->account.capacity = options.capacity_bytes;
   state_->thread = std::thread([state = state_.get()] { state->run(); });
 }
 
@@ -203,19 +204,12 @@ Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   {
     std::lock_guard lock(state_->mutex);
-    const std::size_t capacity = state_->options.capacity_bytes;
-    if (size > capacity || state_->device_bytes > capacity - size) {
-      throw OutOfMemory(detail::concat("emulated device out of memory: cannot allocate ", bytes,
-                                       " bytes with ", state_->device_bytes, " of ", capacity,
-                                       " bytes in use"));
-    }
-    state_->device_bytes += size;
-    state_->peak_device_bytes = std::max(state_->peak_device_bytes, state_->device_bytes);
+    state_->account.claim(size, bytes, "emulated device");
   }
   auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
   if (data == nullptr) {
     std::lock_guard lock(state_->mutex);
-    state_->device_bytes -= size;
+    state_->account.release(size);
     throw OutOfMemory(detail::concat("emulated device: the host could not provide ", bytes,
                                      " bytes for device memory"));
   }
@@ -224,7 +218,7 @@ Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
   return Buffer(data, bytes, [state = state_, size](std::byte* p, std::size_t) {
     std::free(p);
     std::lock_guard lock(state->mutex);
-    state->device_bytes -= size;
+    state->account.release(size);
   });
 }
 
@@ -280,7 +274,7 @@ void EmulatedDevice::synchronize(const Event& event) {
 
 MemoryStats EmulatedDevice::memory() const {
   std::lock_guard lock(state_->mutex);
-  return MemoryStats{state_->device_bytes, state_->peak_device_bytes,
+  return MemoryStats{state_->account.held, state_->account.peak,
                      state_->options.capacity_bytes, false};
 }
 

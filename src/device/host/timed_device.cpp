@@ -15,6 +15,7 @@
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "device_account.hpp"
 
 namespace blockswap {
 namespace {
@@ -104,7 +105,7 @@ struct TimedDevice::State {
   std::vector<ComputeRecord> log;
   double link_busy = 0;
   CopyObserver observer;
-  std::size_t device_bytes = 0, peak_device_bytes = 0;
+  host::DeviceAccount account; // capacity set by the constructor
 
   static int index(Stream stream) { return stream == Stream::compute ? 0 : 1; }
 
@@ -225,6 +226,7 @@ TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<S
                   "got ",
                   options.link.bytes_per_second, " and ", options.link.latency_seconds);
   state_->options = options;
+  state_->account.capacity = options.capacity_bytes;
   for (int s = 0; s < 2; ++s) {
     state_->streams[s].thread = std::thread([state = state_.get(), s] { state->run(s); });
   }
@@ -251,14 +253,7 @@ Buffer TimedDevice::allocate_device(std::size_t bytes) {
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   {
     std::lock_guard lock(state_->mutex);
-    const std::size_t capacity = state_->options.capacity_bytes;
-    if (size > capacity || state_->device_bytes > capacity - size) {
-      throw OutOfMemory(detail::concat("timed device out of memory: cannot allocate ", bytes,
-                                       " bytes with ", state_->device_bytes, " of ", capacity,
-                                       " bytes in use"));
-    }
-    state_->device_bytes += size;
-    state_->peak_device_bytes = std::max(state_->peak_device_bytes, state_->device_bytes);
+    state_->account.claim(size, bytes, "timed device");
   }
   Buffer memory = reserve(bytes);
   std::byte* data = memory.data();
@@ -267,7 +262,7 @@ Buffer TimedDevice::allocate_device(std::size_t bytes) {
                  size](std::byte*, std::size_t) {
                   memory->reset();
                   std::lock_guard lock(state->mutex);
-                  state->device_bytes -= size;
+                  state->account.release(size);
                 });
 }
 
@@ -332,7 +327,7 @@ std::optional<double> TimedDevice::elapsed_seconds(const Event& start, const Eve
 
 MemoryStats TimedDevice::memory() const {
   std::lock_guard lock(state_->mutex);
-  return MemoryStats{state_->device_bytes, state_->peak_device_bytes,
+  return MemoryStats{state_->account.held, state_->account.peak,
                      state_->options.capacity_bytes, false};
 }
 
