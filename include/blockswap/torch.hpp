@@ -46,6 +46,7 @@
 #include <memory>
 #include <string>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "blockswap/core/engine.hpp"
@@ -55,6 +56,47 @@
 #include "blockswap/device/device.hpp"
 
 namespace blockswap {
+
+// Full fine-tuning (docs/guide.md, "Fine-tuning"): with an optimizer in Options, the blocks'
+// parameters that require grad swap with their blocks (packed after the frozen ones, with the
+// optimizer's state for them) and are stepped during backward, each as soon as its gradient is
+// complete (the "fused backward pass"); a block changed on the device is written back to host
+// memory when it leaves. The steps are those of LibTorch's torch::optim::SGD and AdamW
+// (torch.optim's in Python), bitwise on the CPU; a parameter that got no gradient is not
+// stepped, as there.
+struct FusedSGD {
+  double lr = 0;
+  double momentum = 0; // 0: no state; else one momentum buffer per parameter
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+struct FusedAdamW {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2; // decoupled: p *= 1 - lr * weight_decay
+};
+// One parameter's step, for a callback (FusedCustom). `param` and `state` are views of the
+// block's memory on the device: change them in place (under no grad, which is on). `state`
+// holds FusedCustom::state_tensors tensors shaped like the parameter, zeros before the first
+// step; `step` counts this parameter's steps, this one included (1 on the first).
+struct ParamStep {
+  std::string name; // the parameter's name in its block
+  int64_t block = 0;
+  at::Tensor param;
+  at::Tensor grad;
+  std::vector<at::Tensor> state;
+  int64_t step = 0;
+};
+struct FusedCustom {
+  int64_t state_tensors = 0;
+  std::function<void(const ParamStep&)> step;
+};
+// std::monostate: no optimizer; parameters that require grad (adapters) stay on the device and
+// are the trainer's (LoRA).
+using FusedOptimizer = std::variant<std::monostate, FusedSGD, FusedAdamW, FusedCustom>;
 
 // The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
 // here -1 lets the planner choose), supports_backward, rotating_slots (forward-only R, 1 <= R
@@ -79,6 +121,17 @@ struct Options : EngineOptions {
   // `device`, `device_budget_bytes` and the emulated_* fields at their defaults; with
   // blocks_to_swap = -1 the planner fits what the device's budget has left.
   std::shared_ptr<Device> shared_device = nullptr;
+  // Full fine-tuning (above): the optimizer that steps the blocks' trainable parameters during
+  // backward. Needs supports_backward.
+  FusedOptimizer optimizer = {};
+  // Gradient accumulation: a step runs on every n-th backward through a block; the gradients
+  // of the backwards before it are summed in the block's memory (and swap with it), as
+  // LibTorch sums them in .grad.
+  int64_t gradient_accumulation_steps = 1;
+  // Gradient clipping by norm, for each parameter alone (its gradient scaled as
+  // torch::nn::utils::clip_grad_norm_ would scale it in a list of its own); 0 = none. A fused
+  // step cannot see the whole model's gradient (docs/guide.md, "Fine-tuning").
+  double max_grad_norm_per_parameter = 0;
 };
 
 // A Device for offloaders to share (Options::shared_device): kCPU is the emulated device,
@@ -174,6 +227,18 @@ public:
   int64_t blocks_to_swap() const; // K, as given or as the planner chose it
   Stats stats() const;
   void reset_stats();
+
+  // Full fine-tuning (Options::optimizer). The learning rate of the steps from now on (a
+  // schedule changes it between steps).
+  void set_learning_rate(double lr);
+  // Block i's optimizer state, by name ("<parameter>.exp_avg", ".exp_avg_sq" for AdamW,
+  // ".momentum_buffer" for SGD, ".state<j>" for a callback, ".grad_sum" while gradients are
+  // being accumulated): tensors that read their true values wherever the block is, and that
+  // take what is copied into them (copy_), like the block's parameters; for checkpoints.
+  std::vector<std::pair<std::string, at::Tensor>> optimizer_state(int64_t block_idx) const;
+  // How many steps block i's parameters took, by parameter name (AdamW's `step`).
+  std::vector<std::pair<std::string, int64_t>> optimizer_steps(int64_t block_idx) const;
+  void set_optimizer_steps(int64_t block_idx, const std::string& parameter, int64_t steps);
 
   class Impl;
 

@@ -2,6 +2,8 @@
 
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
 
 #include <vector>
 
@@ -66,7 +68,42 @@ struct BlockExit : torch::autograd::Function<BlockExit> {
   }
 };
 
+// Note [fused step]
+// The fused step needs each trainable parameter's gradient once autograd has summed every
+// contribution to it in this backward: the post hook of its gradient accumulator runs right
+// after the accumulation, which is after every node that feeds it and, as the accumulator
+// outranks other nodes in autograd's ready queue, before the next block's backward can start
+// and evict this block. (ModelOffloader still checks that the block is there.)
+struct GradientReady : torch::autograd::FunctionPostHook {
+  std::weak_ptr<BackwardEvents> events;
+  int64_t block = 0;
+  std::size_t param = 0;
+
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    if (const auto alive = events.lock()) alive->gradient_ready(block, param);
+    return outputs;
+  }
+};
+
 } // namespace
+
+std::shared_ptr<torch::autograd::Node>
+on_gradient(const at::Tensor& parameter, const std::shared_ptr<BackwardEvents>& events,
+            int64_t block, std::size_t param) {
+  std::shared_ptr<torch::autograd::Node> accumulator =
+      torch::autograd::impl::grad_accumulator(parameter);
+  BLOCKSWAP_ASSERT(accumulator != nullptr, "a trainable parameter without a gradient accumulator");
+  auto hook = std::make_unique<GradientReady>();
+  hook->events = events;
+  hook->block = block;
+  hook->param = param;
+  accumulator->add_post_hook(std::move(hook));
+  return accumulator;
+}
+
+void at_backward_end(std::function<void()> callback) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
 
 variable_list exit_block(const std::shared_ptr<BackwardEvents>& events, int64_t block,
                          std::shared_ptr<Buffer> slot, std::string what,

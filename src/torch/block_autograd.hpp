@@ -10,7 +10,9 @@
 
 #include <torch/csrc/autograd/variable.h>
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -28,7 +30,20 @@ public:
   // Block `block`'s backward is about to run; autograd's views of its weights point into
   // `slot`, the memory its forward ran in.
   virtual void block_backward_starts(int64_t block, const Buffer* slot) = 0;
+  // Full fine-tuning: trainable parameter `param` of block `block` has its gradient of this
+  // backward in .grad (autograd has just accumulated it).
+  virtual void gradient_ready(int64_t block, std::size_t param) = 0;
 };
+
+// Calls events->gradient_ready(block, param) each time autograd has accumulated a gradient into
+// `parameter` (a leaf that requires grad). Returns the parameter's gradient accumulator, which
+// carries the hook: keep it, or autograd may make a new one without it.
+std::shared_ptr<torch::autograd::Node>
+on_gradient(const at::Tensor& parameter, const std::shared_ptr<BackwardEvents>& events,
+            int64_t block, std::size_t param);
+
+// Runs `callback` once the backward now running (called from inside it) has finished.
+void at_backward_end(std::function<void()> callback);
 
 // The block's outputs, passed through an identity whose backward fires block_backward_starts
 // before any of the block's own backward runs; undefined outputs stay undefined, outputs that

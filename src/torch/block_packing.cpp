@@ -8,6 +8,7 @@
 #include <cstring>
 #include <iostream>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -69,8 +70,24 @@ std::vector<TensorBlock> tensor_blocks(const BlockList& blocks, const std::strin
   return out;
 }
 
+namespace {
+// Appends a tensor at the next aligned offset, of the tensor's shape or, for the placeholder of
+// state blockswap makes, of `shape`.
+void place(BlockLayout& layout, const std::string& name, const at::Tensor& tensor, Role role,
+           const std::optional<std::vector<int64_t>>& shape = std::nullopt) {
+  const std::vector<int64_t> sizes = shape ? *shape : tensor.sizes().vec();
+  int64_t numel = 1;
+  for (int64_t size : sizes) numel *= size;
+  layout.bytes = blockswap::layout::align_up(layout.bytes);
+  PackedTensor packed{name, role, tensor, layout.bytes, sizes, tensor.scalar_type()};
+  layout.tensors.push_back(std::move(packed));
+  layout.bytes += static_cast<std::size_t>(numel) * tensor.element_size();
+}
+} // namespace
+
 std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
-                                       const std::string& label, c10::Device device) {
+                                       const std::string& label, c10::Device device,
+                                       const PackingRules& rules) {
   std::vector<BlockLayout> layouts(blocks.size());
   std::unordered_map<const void*, std::size_t> owner; // TensorImpl -> block
   std::lock_guard lock(claims().mutex);
@@ -80,8 +97,8 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
       const std::string why = unusable(tensor, device);
       BLOCKSWAP_CHECK(why.empty(), "[", label, "] tensor '", name, "' of block ", b, " ", why);
     };
-    auto add = [&](const std::string& name, const at::Tensor& tensor) {
-      if (!tensor.defined()) return;
+    // Returns whether the tensor was added (not a second listing of one added before).
+    auto add = [&](const std::string& name, const at::Tensor& tensor, Role role) {
       check(name, tensor);
       BLOCKSWAP_CHECK(tensor.is_contiguous(), "[", label, "] tensor '", name, "' of block ", b,
                       " is not contiguous: make it so first (t.set_data(t.contiguous()))");
@@ -89,22 +106,45 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
       BLOCKSWAP_CHECK(inserted || it->second == b, "[", label, "] tensor '", name, "' of block ",
                       b, " is shared with block ", it->second,
                       ": blocks must own their weights to be swapped");
-      if (!inserted) return; // the same tensor twice inside one block: packed once
+      if (!inserted) return false; // the same tensor twice inside one block: packed once
       BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "[", label,
                       "] tensor '", name, "' of block ", b,
                       " is already managed by another ModelOffloader; destroy that one first");
-      layout.bytes = blockswap::layout::align_up(layout.bytes);
-      layout.tensors.push_back(
-          PackedTensor{name, tensor, layout.bytes, tensor.sizes().vec(), tensor.scalar_type()});
-      layout.bytes += tensor.numel() * tensor.element_size();
+      place(layout, name, tensor, role);
+      return true;
     };
     for (const auto& [name, tensor] : blocks[b].parameters) {
-      if (!tensor.defined()) continue;
-      if (tensor.requires_grad()) {
+      if (tensor.defined() && !tensor.requires_grad()) add(name, tensor, Role::frozen);
+    }
+    layout.trainable_offset = layout.bytes; // nothing trains
+    for (const auto& [name, tensor] : blocks[b].parameters) {
+      if (!tensor.defined() || !tensor.requires_grad()) continue;
+      if (!rules.trainable) {
         check(name, tensor); // stays as it is, on the device
-      } else {
-        add(name, tensor);
+        continue;
       }
+      BLOCKSWAP_CHECK(!tensor.grad().defined(), "[", label, "] parameter '", name, "' of block ",
+                      b, " has a gradient already, which the fused step would not see: drop it "
+                      "before building the offloader (p.grad = None; in C++ "
+                      "p.mutable_grad().reset())");
+      BLOCKSWAP_CHECK(at::isFloatingType(tensor.scalar_type()), "[", label, "] parameter '",
+                      name, "' of block ", b, " requires grad but is not floating point");
+      if (add(name, tensor, Role::trainable)) {
+        if (layout.trainable.empty()) layout.trainable_offset = layout.tensors.back().offset;
+        layout.trainable.push_back(TrainableParam{layout.tensors.size() - 1, {}, 0});
+      }
+    }
+    // The state after all the trainable parameters, in the same order.
+    for (TrainableParam& param : layout.trainable) {
+      const PackedTensor parameter = layout.tensors[param.tensor];
+      auto state = [&](const std::string& suffix) {
+        place(layout, parameter.name + "." + suffix,
+              at::empty({0}, at::TensorOptions().dtype(parameter.dtype)), Role::state,
+              parameter.sizes);
+        return layout.tensors.size() - 1;
+      };
+      for (const std::string& suffix : rules.state_names) param.state.push_back(state(suffix));
+      if (rules.grad_sum) param.grad_sum = state("grad_sum");
     }
     // Buffers are state the forward may update (running statistics), in ways autograd's
     // version counter does not always see (LibTorch's batch_norm): they stay on the device,
@@ -144,6 +184,11 @@ void BlockBinder::pack(Engine& engine) {
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
     for (const PackedTensor& t : layouts_[b].tensors) {
+      if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
+        const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
+        std::memset(zeros.data_ptr(), 0, zeros.numel() * zeros.element_size());
+        continue;
+      }
       const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
       std::memcpy(hosts_[b]->data() + t.offset, source.data_ptr(),
                   source.numel() * source.element_size());
@@ -192,11 +237,17 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
 void BlockBinder::check_still_frozen() const {
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     for (const PackedTensor& t : layouts_[b].tensors) {
+      if (t.role != Role::frozen) continue;
       BLOCKSWAP_CHECK(!t.variable.requires_grad(), "parameter '", t.name, "' of block ", b,
                       " was made trainable after the ModelOffloader was built, which swaps it "
                       "as a frozen weight: choose which parameters train before building it");
     }
   }
+}
+
+void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
+  PackedTensor& t = layouts_[block].tensors[index];
+  t.bound_version = t.variable._version();
 }
 
 void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
@@ -229,7 +280,12 @@ void BlockBinder::restore_to_host() {
   for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
     for (PackedTensor& t : layouts_[b].tensors) {
       try {
-        if (caller_changed(t)) save_changes(static_cast<int64_t>(b), t);
+        // What changed on the device stays: a trainable block that never left it was never
+        // written back.
+        const bool on_device = t.variable.sizes().vec() == t.sizes; // not strict's placeholder
+        if (caller_changed(t) || (t.role != Role::frozen && on_device)) {
+          save_changes(static_cast<int64_t>(b), t);
+        }
       } catch (const std::exception& e) {
         std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
       }

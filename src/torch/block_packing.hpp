@@ -14,9 +14,15 @@
 
 namespace blockswap::torch_frontend {
 
+// What a packed tensor is to the block: a frozen weight (never written back), a parameter that
+// trains (full fine-tuning), or the optimizer's state for one (its momentum, its moments, the
+// sum of its gradients while they accumulate), which blockswap itself made.
+enum class Role { frozen, trainable, state };
+
 // Where one tensor of a block lives inside the block's packed buffer.
 struct PackedTensor {
   std::string name;
+  Role role = Role::frozen;
   at::Tensor variable; // the module's own parameter or buffer: rebound with set_data
   std::size_t offset = 0;
   std::vector<int64_t> sizes;
@@ -27,19 +33,43 @@ struct PackedTensor {
   int64_t bound_version = 0;
 };
 
+// A trainable parameter of a block and its optimizer state, as indices into
+// BlockLayout::tensors.
+struct TrainableParam {
+  std::size_t tensor = 0;
+  std::vector<std::size_t> state; // PackingRules::state_names, in order
+  std::size_t grad_sum = 0;       // with PackingRules::grad_sum
+};
+
+// The frozen tensors first, then from `trainable_offset` on the trainable parameters and their
+// state: the bytes that may change on the device (EngineOptions::trainable_bytes).
 struct BlockLayout {
   std::vector<PackedTensor> tensors;
   std::size_t bytes = 0;
+  std::size_t trainable_offset = 0;
+  std::vector<TrainableParam> trainable;
+  std::size_t trainable_bytes() const { return bytes - trainable_offset; }
 };
 
-// The frozen parameters (requires_grad false) of a block, at aligned offsets (core/layout.hpp).
-// Validates every tensor of every block first and changes nothing: throws Error naming the
-// tensor for a tensor shared with an earlier block or claimed by
-// another offloader, and a tensor that is meta, sparse, quantized, not contiguous, or on a
-// device other than the host and `device`. Trainable parameters and buffers, which stay on
-// the device and are never packed, are checked too.
+// What is packed besides frozen weights: for full fine-tuning, the parameters that require grad,
+// each followed by a tensor like it per name in `state_names` ("exp_avg", ...) and, with
+// `grad_sum`, one where the gradients of accumulating backwards are summed.
+struct PackingRules {
+  bool trainable = false;
+  std::vector<std::string> state_names;
+  bool grad_sum = false;
+};
+
+// The frozen parameters (requires_grad false) of a block, at aligned offsets (core/layout.hpp),
+// and with `rules.trainable` the trainable ones and their state after them. Validates every
+// tensor of every block first and changes nothing: throws Error naming the tensor for a tensor
+// shared with an earlier block or claimed by another offloader, and a tensor that is meta,
+// sparse, quantized, not contiguous, or on a device other than the host and `device`.
+// Trainable parameters (unless packed) and buffers, which stay on the device and are never
+// packed, are checked too.
 std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
-                                       const std::string& label, c10::Device device);
+                                       const std::string& label, c10::Device device,
+                                       const PackingRules& rules = {});
 
 // Each module's parameters and buffers, recursively, by name. Throws Error naming a null
 // module or one listed twice.
@@ -60,9 +90,16 @@ public:
   // buffer, which outlives the engine) and releases the claims. Never throws.
   void restore_to_host();
 
-  // Throws Error naming a packed parameter that was made trainable after packing: its
+  // Throws Error naming a packed frozen parameter that was made trainable after packing: its
   // optimizer's updates would bypass what blockswap can see.
   void check_still_frozen() const;
+  // The tensor of block `block` at `index` (its variable: reads true values wherever the block
+  // is), and notes that blockswap itself wrote it in place (an optimizer step), which is not a
+  // change of the caller's to copy anywhere.
+  const PackedTensor& tensor(int64_t block, std::size_t index) const {
+    return layouts_[block].tensors[index];
+  }
+  void written_by_blockswap(int64_t block, std::size_t index);
 
   void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) override;
   void on_evicted(int64_t block) override;

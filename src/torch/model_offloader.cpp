@@ -10,6 +10,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
 #include "cuda_stream.hpp"
+#include "fine_tune.hpp"
 
 namespace blockswap {
 
@@ -49,7 +50,7 @@ std::shared_ptr<Device> device_for(const std::string& label, const Options& opti
 // Adapters being trained and buffers stay on the compute device for good: their device copies,
 // made before anything is changed (the constructor is all or nothing).
 std::vector<std::pair<at::Tensor, at::Tensor>>
-resident_on(const std::vector<TensorBlock>& blocks, c10::Device device) {
+resident_on(const std::vector<TensorBlock>& blocks, c10::Device device, bool trainable_packed) {
   std::vector<std::pair<at::Tensor, at::Tensor>> moves;
   if (device.is_cpu()) return moves;
   std::unordered_set<const void*> seen; // an aliased tensor moves once
@@ -60,7 +61,7 @@ resident_on(const std::vector<TensorBlock>& blocks, c10::Device device) {
   };
   for (const auto& block : blocks) {
     for (const auto& [name, p] : block.parameters) {
-      if (p.defined() && p.requires_grad()) move(p);
+      if (p.defined() && p.requires_grad() && !trainable_packed) move(p);
     }
     for (const auto& [name, t] : block.buffers) move(t);
   }
@@ -93,9 +94,10 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
 
 std::vector<BlockLayout> checked_layouts(const std::string& label,
                                          const std::vector<TensorBlock>& blocks,
-                                         c10::Device device) {
+                                         c10::Device device,
+                                         const torch_frontend::PackingRules& rules = {}) {
   BLOCKSWAP_CHECK(!blocks.empty(), "[", label, "] ModelOffloader needs at least one block");
-  return torch_frontend::layout_blocks(blocks, label, device);
+  return torch_frontend::layout_blocks(blocks, label, device, rules);
 }
 
 } // namespace
@@ -104,11 +106,17 @@ class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<TensorBlock> blocks, Options options)
       : options_(std::move(options)), label_(std::move(block_type)),
-        device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
-        blocks_(std::move(blocks)),
-        binder_(checked_layouts(label_, blocks_, torch_device_), torch_device_,
-                options_.strict_residency) {
+        fine_tuner_(options_, label_), device_(device_for(label_, options_)),
+        torch_device_(torch_device(*device_)), blocks_(std::move(blocks)),
+        binder_(checked_layouts(label_, blocks_, torch_device_, fine_tuner_.packing()),
+                torch_device_, options_.strict_residency) {
     EngineOptions engine_options = options_;
+    if (fine_tuner_.enabled()) {
+      engine_options.trainable_bytes.clear();
+      for (const auto& layout : binder_.layouts()) {
+        engine_options.trainable_bytes.push_back(layout.trainable_bytes());
+      }
+    }
     engine_options.blocks_to_swap = choose_blocks_to_swap(label_, options_, *device_,
                                                           binder_.layouts());
     blocks_to_swap_ = engine_options.blocks_to_swap;
@@ -116,12 +124,21 @@ public:
     for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
     engine_ = std::make_unique<Engine>(device_->attach(label_), std::move(bytes),
                                        std::move(engine_options), label_);
-    auto resident = resident_on(blocks_, torch_device_);
+    auto resident = resident_on(blocks_, torch_device_, fine_tuner_.enabled());
     binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
     for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
     outputs_seen_.assign(blocks_.size(), false);
   }
+
+  // What needs the offloader shared: hooks that find it while it lives.
+  void start(const std::shared_ptr<Impl>& self) {
+    self_ = self;
+    fine_tuner_.attach(self, binder_, *engine_);
+  }
+
+  torch_frontend::FineTuner& fine_tuner() { return fine_tuner_; }
+  const torch_frontend::FineTuner& fine_tuner() const { return fine_tuner_; }
 
   ~Impl() override {
     try {
@@ -140,11 +157,15 @@ public:
   Compute compute() const {
     return Compute{at::GradMode::is_enabled(), options_.reentrant_activation_checkpointing};
   }
-  // Whether a block computed now may be differentiated later, with its weights moved by then.
-  bool bracketed() const { return at::GradMode::is_enabled() && blocks_to_swap_ > 0; }
+  // Whether a block computed now may be differentiated later, with its weights moved by then,
+  // or stepped in its backward.
+  bool bracketed() const {
+    return at::GradMode::is_enabled() && (blocks_to_swap_ > 0 || fine_tuner_.enabled());
+  }
 
   void prepare() {
     binder_.check_still_frozen();
+    fine_tuner_.pass_starts();
     engine_->prepare();
   }
 
@@ -191,7 +212,7 @@ public:
                                          const torch::autograd::variable_list& outputs,
                                          std::shared_ptr<Buffer> slot = nullptr) {
     check_index(block);
-    if (blocks_to_swap_ == 0) return outputs;
+    if (blocks_to_swap_ == 0 && !fine_tuner_.enabled()) return outputs;
     if (!slot) slot = engine_->device_buffer(block);
     check_no_output_views_weights(block, *slot, outputs);
     outputs_seen_[block] = true;
@@ -228,6 +249,15 @@ public:
                     "would read weights that have moved. Use blocks_to_swap = 0 for it");
     mark_compute(detail::concat("backward of block ", block + 1));
     engine_->acquire_for_backward(block, slot);
+    if (fine_tuner_.backward_starts(block)) {
+      torch_frontend::at_backward_end([weak = self_] {
+        if (const auto self = weak.lock()) self->fine_tuner_.backward_done();
+      });
+    }
+  }
+
+  void gradient_ready(int64_t block, std::size_t param) override {
+    fine_tuner_.gradient_ready(block, param);
   }
 
   const std::string& label() const { return label_; }
@@ -256,6 +286,8 @@ private:
 
   Options options_;
   std::string label_;
+  torch_frontend::FineTuner fine_tuner_;
+  std::weak_ptr<Impl> self_;
   std::shared_ptr<Device> device_;
   c10::Device torch_device_;
   std::vector<TensorBlock> blocks_;
@@ -313,8 +345,10 @@ std::shared_ptr<ModelOffloader::Impl>
 make_impl(std::string block_type, std::vector<TensorBlock> blocks, const Options& options) {
   const std::string label = block_type;
   try {
-    return std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
-                                                  options);
+    auto impl = std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
+                                                       options);
+    impl->start(impl);
+    return impl;
   } catch (const Error&) {
     throw;
   } catch (const c10::Error& e) {
@@ -397,6 +431,25 @@ Stats ModelOffloader::stats() const {
 
 void ModelOffloader::reset_stats() {
   impl_->engine().reset_stats();
+}
+
+void ModelOffloader::set_learning_rate(double lr) {
+  impl_->fine_tuner().set_learning_rate(lr);
+}
+
+std::vector<std::pair<std::string, at::Tensor>>
+ModelOffloader::optimizer_state(int64_t block_idx) const {
+  return impl_->fine_tuner().state(block_idx);
+}
+
+std::vector<std::pair<std::string, int64_t>>
+ModelOffloader::optimizer_steps(int64_t block_idx) const {
+  return impl_->fine_tuner().steps(block_idx);
+}
+
+void ModelOffloader::set_optimizer_steps(int64_t block_idx, const std::string& parameter,
+                                         int64_t steps) {
+  impl_->fine_tuner().set_steps(block_idx, parameter, steps);
 }
 
 } // namespace blockswap

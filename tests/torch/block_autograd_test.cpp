@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -18,6 +19,12 @@ struct Recorder : BackwardEvents {
   void block_backward_starts(int64_t block, const Buffer*) override {
     events.push_back("starts " + std::to_string(block));
     if (on_start) on_start();
+  }
+  std::vector<torch::Tensor> grads_seen;
+  torch::Tensor watched;
+  void gradient_ready(int64_t block, std::size_t param) override {
+    events.push_back("gradient " + std::to_string(block) + "." + std::to_string(param));
+    grads_seen.push_back(watched.grad().clone());
   }
 };
 
@@ -130,6 +137,37 @@ TEST(BlockAutograd, BackwardAfterTheOffloaderIsGoneIsAClearError) {
               std::string::npos)
         << e.what();
   }
+}
+
+// Note [fused step]: the hook sees the gradient summed over every use of the parameter in the
+// backward, once, after it was accumulated into .grad, and before the backward of what came
+// earlier in the forward.
+TEST(BlockAutograd, GradientHookFiresOnceAfterTheWholeGradientIsAccumulated) {
+  auto events = std::make_shared<Recorder>();
+  torch::Tensor w = torch::randn({8, 8}).requires_grad_(true);
+  events->watched = w;
+  const auto accumulator = on_gradient(w, events, 3, 1);
+  torch::Tensor x = torch::randn({4, 8}).requires_grad_(true);
+  torch::Tensor x3 = x * 3;
+  x3.register_hook([&](torch::Tensor g) {
+    events->events.push_back("before the block");
+    return g;
+  });
+  torch::Tensor h = torch::linear(x3, w);
+  h.register_hook([&](torch::Tensor g) {
+    events->events.push_back("input of the second use");
+    return g;
+  });
+  torch::Tensor y = torch::linear(h, w); // w used twice
+  y.sum().backward();
+  ASSERT_EQ(events->grads_seen.size(), 1u);
+  EXPECT_TRUE(torch::equal(events->grads_seen[0], w.grad()));
+  const std::vector<std::string> order = events->events;
+  const auto at = [&](const std::string& e) { return std::find(order.begin(), order.end(), e); };
+  EXPECT_NE(at("gradient 3.1"), order.end());
+  EXPECT_LT(at("gradient 3.1"), at("before the block"));
+  // The same accumulator, the same hook, next time.
+  EXPECT_EQ(torch::autograd::impl::grad_accumulator(w), accumulator);
 }
 
 } // namespace

@@ -1,0 +1,316 @@
+#include "fine_tune.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cmath>
+#include <type_traits>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap::torch_frontend {
+namespace {
+
+template <class... Fs> struct Overloaded : Fs... {
+  using Fs::operator()...;
+};
+template <class... Fs> Overloaded(Fs...) -> Overloaded<Fs...>;
+
+// Note [the steps]
+// The same tensor operations, in the same order and with the same scalars, as LibTorch's
+// torch::optim::SGD and AdamW (and torch.optim's single-tensor versions, which agree with them),
+// so that a parameter stepped here is bitwise the one those optimizers make on the same device.
+// Changing an expression (fusing two ops, reordering a product) changes the last bits: the
+// tests against torch::optim and torch.optim catch it.
+void sgd(const FusedSGD& o, const ParamStep& a) {
+  at::Tensor d_p = a.grad;
+  if (o.weight_decay != 0) d_p = d_p.add(a.param, o.weight_decay);
+  if (o.momentum != 0) {
+    const at::Tensor& buffer = a.state[0];
+    if (a.step == 1) {
+      buffer.copy_(d_p);
+    } else {
+      buffer.mul_(o.momentum).add_(d_p, 1 - o.dampening);
+    }
+    d_p = o.nesterov ? d_p.add(buffer, o.momentum) : buffer;
+  }
+  a.param.add_(d_p, -1 * o.lr);
+}
+
+void adamw(const FusedAdamW& o, const ParamStep& a) {
+  if (o.weight_decay != 0) a.param.mul_(1 - o.lr * o.weight_decay);
+  const at::Tensor& exp_avg = a.state[0];
+  const at::Tensor& exp_avg_sq = a.state[1];
+  const double bias_correction1 = 1 - std::pow(o.beta1, a.step);
+  const double bias_correction2 = 1 - std::pow(o.beta2, a.step);
+  exp_avg.mul_(o.beta1).add_(a.grad, 1 - o.beta1);
+  exp_avg_sq.mul_(o.beta2).addcmul_(a.grad, a.grad, 1 - o.beta2);
+  const at::Tensor denom = (exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+  const double step_size = o.lr / bias_correction1;
+  a.param.addcdiv_(exp_avg, denom, -step_size);
+}
+
+// torch::nn::utils::clip_grad_norm_({p}, max_norm) for one parameter's gradient.
+void clip(const at::Tensor& grad, double max_norm) {
+  const at::Tensor coefficient = max_norm / (grad.norm(2) + 1e-6);
+  grad.mul_(at::clamp(coefficient, c10::nullopt, 1.0));
+}
+
+std::vector<std::string> state_names(const FusedOptimizer& optimizer) {
+  return std::visit(
+      Overloaded{[](std::monostate) { return std::vector<std::string>{}; },
+                 [](const FusedSGD& o) {
+                   return o.momentum != 0 ? std::vector<std::string>{"momentum_buffer"}
+                                          : std::vector<std::string>{};
+                 },
+                 [](const FusedAdamW&) { return std::vector<std::string>{"exp_avg", "exp_avg_sq"}; },
+                 [](const FusedCustom& o) {
+                   std::vector<std::string> names;
+                   for (int64_t i = 0; i < o.state_tensors; ++i) {
+                     names.push_back(detail::concat("state", i));
+                   }
+                   return names;
+                 }},
+      optimizer);
+}
+
+bool finite_at_least(double value, double least) { return std::isfinite(value) && value >= least; }
+
+void check(const std::string& label, const FusedOptimizer& optimizer) {
+  const std::string where = detail::concat("[", label, "] Options::optimizer: ");
+  std::visit(
+      Overloaded{
+          [](std::monostate) {},
+          [&](const FusedSGD& o) {
+            BLOCKSWAP_CHECK(finite_at_least(o.lr, 0), where, "SGD's lr ", o.lr,
+                            " must be finite and >= 0");
+            BLOCKSWAP_CHECK(finite_at_least(o.momentum, 0) && finite_at_least(o.dampening, 0) &&
+                                finite_at_least(o.weight_decay, 0),
+                            where, "SGD's momentum, dampening and weight_decay must be finite and "
+                                   ">= 0");
+            BLOCKSWAP_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), where,
+                            "Nesterov momentum needs momentum > 0 and dampening 0");
+          },
+          [&](const FusedAdamW& o) {
+            BLOCKSWAP_CHECK(finite_at_least(o.lr, 0), where, "AdamW's lr ", o.lr,
+                            " must be finite and >= 0");
+            BLOCKSWAP_CHECK(finite_at_least(o.beta1, 0) && o.beta1 < 1 &&
+                                finite_at_least(o.beta2, 0) && o.beta2 < 1,
+                            where, "AdamW's betas (", o.beta1, ", ", o.beta2,
+                            ") must be in [0, 1)");
+            BLOCKSWAP_CHECK(finite_at_least(o.eps, 0) && finite_at_least(o.weight_decay, 0),
+                            where, "AdamW's eps and weight_decay must be finite and >= 0");
+          },
+          [&](const FusedCustom& o) {
+            BLOCKSWAP_CHECK(static_cast<bool>(o.step), where, "FusedCustom needs a step function");
+            BLOCKSWAP_CHECK(o.state_tensors >= 0 && o.state_tensors <= 64, where,
+                            "FusedCustom::state_tensors ", o.state_tensors,
+                            " must be in [0, 64]");
+          }},
+      optimizer);
+}
+
+} // namespace
+
+void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args) {
+  std::visit(Overloaded{[](std::monostate) {}, [&](const FusedSGD& o) { sgd(o, args); },
+                        [&](const FusedAdamW& o) { adamw(o, args); },
+                        [&](const FusedCustom& o) { o.step(args); }},
+             optimizer);
+}
+
+FineTuner::FineTuner(const Options& options, std::string label)
+    : enabled_(!std::holds_alternative<std::monostate>(options.optimizer)),
+      optimizer_(options.optimizer), accumulation_(options.gradient_accumulation_steps),
+      max_norm_(options.max_grad_norm_per_parameter), label_(std::move(label)) {
+  check(label_, optimizer_);
+  BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
+                  accumulation_, "; it must be at least 1");
+  BLOCKSWAP_CHECK(std::isfinite(max_norm_) && max_norm_ >= 0, "[", label_,
+                  "] max_grad_norm_per_parameter is ", max_norm_,
+                  "; it must be finite and >= 0 (0: no clipping)");
+  if (!enabled_) {
+    BLOCKSWAP_CHECK(accumulation_ == 1 && max_norm_ == 0, "[", label_,
+                    "] gradient_accumulation_steps and max_grad_norm_per_parameter are for the "
+                    "fused step: set Options::optimizer too, or leave them at 1 and 0");
+    return;
+  }
+  BLOCKSWAP_CHECK(options.supports_backward, "[", label_,
+                  "] Options::optimizer steps parameters during backward, which needs "
+                  "supports_backward = true");
+}
+
+PackingRules FineTuner::packing() const {
+  if (!enabled_) return {};
+  return PackingRules{true, state_names(optimizer_), accumulation_ > 1};
+}
+
+void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder,
+                       Engine& engine) {
+  binder_ = &binder;
+  engine_ = &engine;
+  const auto& layouts = binder.layouts();
+  params_.assign(layouts.size(), {});
+  backwards_.assign(layouts.size(), 0);
+  in_backward_.assign(layouts.size(), false);
+  if (!enabled_) return;
+  for (std::size_t b = 0; b < layouts.size(); ++b) {
+    params_[b].resize(layouts[b].trainable.size());
+    for (std::size_t p = 0; p < layouts[b].trainable.size(); ++p) {
+      const PackedTensor& t = layouts[b].tensors[layouts[b].trainable[p].tensor];
+      accumulators_.push_back(on_gradient(t.variable, events, static_cast<int64_t>(b), p));
+    }
+  }
+}
+
+bool FineTuner::backward_starts(int64_t block) {
+  if (!enabled_) return false;
+  if (!in_backward_[block]) {
+    in_backward_[block] = true;
+    ++backwards_[block];
+  }
+  const bool queue = !end_queued_;
+  end_queued_ = true;
+  return queue;
+}
+
+void FineTuner::gradient_ready(int64_t block, std::size_t param) {
+  const TrainableParam& where = binder_->layouts()[block].trainable[param];
+  const PackedTensor& t = binder_->tensor(block, where.tensor);
+  at::Tensor variable = t.variable;
+  at::Tensor grad = variable.grad();
+  if (!grad.defined()) return;
+  // The gradient lives in the step, or in the block's memory while it accumulates: never in
+  // .grad, which would keep a device copy of every parameter's gradient.
+  variable.mutable_grad().reset();
+  BLOCKSWAP_CHECK(in_backward_[block], "[", label_, "] parameter '", t.name, "' of block ", block,
+                  " got a gradient outside its block's backward (used outside the block, or "
+                  "backward called on a tensor computed from it directly): a parameter that "
+                  "trains with its block may be used only inside the block");
+  BLOCKSWAP_CHECK(engine_->is_ready(block) && variable.data_ptr() == t.bound_data, "[", label_,
+                  "] parameter '", t.name, "' of block ", block,
+                  " got its gradient after the block left the device, so it cannot be stepped");
+  at::NoGradGuard no_grad;
+  Param& state = params_[block][param];
+  if (backwards_[block] < accumulation_) {
+    const at::Tensor sum = binder_->tensor(block, where.grad_sum).variable.detach();
+    if (state.summed) {
+      sum.add_(grad);
+    } else {
+      sum.copy_(grad);
+    }
+    state.summed = true;
+    binder_->written_by_blockswap(block, where.grad_sum);
+    engine_->mark_dirty(block);
+    return;
+  }
+  if (state.summed) {
+    // LibTorch sums into .grad in place: the earlier backwards' sum, plus this one.
+    const at::Tensor sum = binder_->tensor(block, where.grad_sum).variable.detach();
+    sum.add_(grad);
+    grad = sum;
+    state.summed = false;
+    binder_->written_by_blockswap(block, where.grad_sum);
+  }
+  if (max_norm_ > 0) clip(grad, max_norm_);
+  ParamStep args{t.name, block, variable.detach(), grad, {}, ++state.steps};
+  for (std::size_t s : where.state) args.state.push_back(binder_->tensor(block, s).variable.detach());
+  step_parameter(optimizer_, args);
+  binder_->written_by_blockswap(block, where.tensor);
+  for (std::size_t s : where.state) binder_->written_by_blockswap(block, s);
+  engine_->mark_dirty(block);
+}
+
+// Note [host copy after backward]
+// A block changed on the device is written back when it leaves; the host copy takes the new
+// bytes when the engine synchronizes (Note [atomic write-back] in engine.cpp). Synchronizing at
+// the end of every backward that stepped means that between backwards (where a trainer saves
+// checkpoints, reads weights, or a write fails) every host copy is the latest, and no write-back
+// is pending while the next forward moves blocks. The copies it waits for are those the
+// backward's last blocks started, which the next forward needs first anyway.
+void FineTuner::backward_done() {
+  end_queued_ = false;
+  std::string partial;
+  for (std::size_t b = 0; b < in_backward_.size(); ++b) {
+    if (!in_backward_[b]) continue;
+    in_backward_[b] = false;
+    if (backwards_[b] < accumulation_) continue;
+    backwards_[b] = 0;
+    for (std::size_t p = 0; p < params_[b].size(); ++p) {
+      if (!params_[b][p].summed) continue;
+      params_[b][p].summed = false; // the next step starts anew
+      const auto& layout = binder_->layouts()[b];
+      partial += detail::concat(partial.empty() ? "" : ", ", "'",
+                                layout.tensors[layout.trainable[p].tensor].name, "' of block ", b);
+    }
+  }
+  engine_->synchronize();
+  BLOCKSWAP_CHECK(partial.empty(), "[", label_, "] parameter(s) ", partial,
+                  " got gradients in earlier accumulating backwards but none in the last one, "
+                  "where the fused step runs: they were not stepped and their summed gradients "
+                  "are dropped. Use every trainable parameter in every backward, or accumulate "
+                  "over one backward");
+}
+
+void FineTuner::pass_starts() {
+  if (!end_queued_) return;
+  end_queued_ = false; // the backward failed before its end: its counts are void
+  for (std::size_t b = 0; b < in_backward_.size(); ++b) {
+    if (in_backward_[b]) --backwards_[b];
+    in_backward_[b] = false;
+  }
+}
+
+void FineTuner::set_learning_rate(double lr) {
+  BLOCKSWAP_CHECK(enabled_, "[", label_, "] set_learning_rate: this offloader has no optimizer "
+                            "(Options::optimizer)");
+  BLOCKSWAP_CHECK(std::isfinite(lr) && lr >= 0, "[", label_, "] learning rate ", lr,
+                  " must be finite and >= 0");
+  std::visit(Overloaded{[](std::monostate) {}, [&](FusedSGD& o) { o.lr = lr; },
+                        [&](FusedAdamW& o) { o.lr = lr; },
+                        [&](FusedCustom&) {
+                          throw Error(detail::concat("[", label_,
+                                                     "] set_learning_rate: a FusedCustom step "
+                                                     "keeps its own learning rate"));
+                        }},
+             optimizer_);
+}
+
+void FineTuner::check_attached(int64_t block) const {
+  BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(params_.size()), "[", label_,
+                  "] block index ", block, " is out of range for ", params_.size(), " blocks");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FineTuner::state(int64_t block) const {
+  check_attached(block);
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const PackedTensor& t : binder_->layouts()[block].tensors) {
+    if (t.role == Role::state) out.emplace_back(t.name, t.variable);
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, int64_t>> FineTuner::steps(int64_t block) const {
+  check_attached(block);
+  std::vector<std::pair<std::string, int64_t>> out;
+  const auto& layout = binder_->layouts()[block];
+  for (std::size_t p = 0; p < params_[block].size(); ++p) {
+    out.emplace_back(layout.tensors[layout.trainable[p].tensor].name, params_[block][p].steps);
+  }
+  return out;
+}
+
+void FineTuner::set_steps(int64_t block, const std::string& parameter, int64_t steps) {
+  check_attached(block);
+  BLOCKSWAP_CHECK(steps >= 0, "[", label_, "] a step count cannot be negative (", steps, ")");
+  const auto& layout = binder_->layouts()[block];
+  for (std::size_t p = 0; p < params_[block].size(); ++p) {
+    if (layout.tensors[layout.trainable[p].tensor].name != parameter) continue;
+    params_[block][p].steps = steps;
+    return;
+  }
+  throw Error(detail::concat("[", label_, "] block ", block, " has no trainable parameter '",
+                             parameter, "'"));
+}
+
+} // namespace blockswap::torch_frontend

@@ -1,0 +1,77 @@
+// Full fine-tuning for one offloader: the fused per-parameter optimizer step during backward,
+// gradient accumulation in the blocks' own memory, and when a changed block reaches host
+// memory. Implementer-only (src/torch).
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "block_autograd.hpp"
+#include "block_packing.hpp"
+#include "blockswap/core/engine.hpp"
+#include "blockswap/torch.hpp"
+
+namespace blockswap::torch_frontend {
+
+// One parameter's step by `optimizer`, as LibTorch's torch::optim steps it (Note [the steps]
+// in the .cpp). `args.state` are the tensors of PackingRules::state_names.
+void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args);
+
+class FineTuner {
+public:
+  // Validates the options (an optimizer needs supports_backward; hyper-parameters in range);
+  // throws Error naming what is wrong.
+  FineTuner(const Options& options, std::string label);
+
+  bool enabled() const { return enabled_; }
+  // What the offloader packs besides frozen weights.
+  PackingRules packing() const;
+
+  // After packing: hooks on the gradient accumulator of every trainable parameter.
+  void attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder, Engine& engine);
+
+  // Block `block`'s backward starts: one more backward through it (counted once per backward
+  // call). Returns true when the caller must arrange for backward_done() at this backward's end.
+  bool backward_starts(int64_t block);
+  // Post hook of a parameter's gradient accumulator (Note [fused step] in block_autograd.cpp).
+  void gradient_ready(int64_t block, std::size_t param);
+  // The backward has finished: blocks that took their last accumulating backward start anew,
+  // and what was written back reaches host memory (Note [host copy after backward] in .cpp).
+  void backward_done();
+  // A forward pass starts: a backward that failed part-way left its counts behind; they are
+  // dropped.
+  void pass_starts();
+
+  void set_learning_rate(double lr);
+  std::vector<std::pair<std::string, at::Tensor>> state(int64_t block) const;
+  std::vector<std::pair<std::string, int64_t>> steps(int64_t block) const;
+  void set_steps(int64_t block, const std::string& parameter, int64_t steps);
+
+private:
+  struct Param {
+    int64_t steps = 0;   // steps taken
+    bool summed = false; // grad_sum holds gradients of earlier backwards of this step
+  };
+  void check_attached(int64_t block) const;
+
+  bool enabled_ = false;
+  FusedOptimizer optimizer_;
+  int64_t accumulation_ = 1;
+  double max_norm_ = 0;
+  std::string label_;
+  BlockBinder* binder_ = nullptr;
+  Engine* engine_ = nullptr;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<std::vector<Param>> params_;
+  std::vector<int64_t> backwards_;  // backwards through each block since its last step
+  std::vector<bool> in_backward_;   // counted in the backward now running
+  bool end_queued_ = false;
+};
+
+} // namespace blockswap::torch_frontend

@@ -1,0 +1,502 @@
+// Full fine-tuning (Options::optimizer), tried as a trainer would from the public header and
+// docs/guide.md: weights trained with swapped blocks and the fused step are bitwise those of the
+// same model trained without blockswap by LibTorch's own optimizers; the bytes moved per step
+// are the loads plus the write-backs of changed blocks; a failed write-back loses no weight.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
+#include "blockswap/device/device.hpp"
+#include "blockswap/device/emulated.hpp"
+#include "blockswap/torch.hpp"
+#include "test_model.hpp"
+
+namespace blockswap {
+namespace {
+
+constexpr int64_t kBlocks = 6;
+constexpr int kSteps = 5;
+
+// The test model with its base weights training too: fc1, fc2 and the adapter train;
+// the norm and context_proj stay frozen (one block mixes both kinds).
+Model fine_tune_model() {
+  Model model(kBlocks);
+  for (auto& block : model.blocks) {
+    for (auto& p : block->fc1->parameters()) p.set_requires_grad(true);
+    for (auto& p : block->fc2->parameters()) p.set_requires_grad(true);
+  }
+  return model;
+}
+
+std::vector<torch::Tensor> trainable(const Model& model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& block : model.blocks) {
+    for (const auto& p : block->parameters()) {
+      if (p.requires_grad()) out.push_back(p);
+    }
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> all_parameters(const Model& model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& block : model.blocks) {
+    for (const auto& p : block->parameters()) out.push_back(p.detach().clone());
+  }
+  return out;
+}
+
+// The micro-batches of every step.
+std::vector<Inputs> micro_batches(int count) {
+  std::vector<Inputs> out;
+  for (int i = 0; i < count; ++i) {
+    Inputs in;
+    torch::manual_seed(100 + i);
+    in.x = torch::randn({2, 5, kDim}).to(kDevice);
+    out.push_back(in);
+  }
+  return out;
+}
+
+torch::Tensor loss_of(const torch::Tensor& y) { return y.pow(2).mean(); }
+
+enum class Verbs { run_block, by_hand };
+
+struct Trained {
+  std::vector<torch::Tensor> losses;
+  std::vector<torch::Tensor> parameters; // every parameter after the last step
+};
+
+// The reference: no blockswap, LibTorch's optimizer, .grad summed over `accumulation` backwards.
+template <typename Optimizer, typename OptimizerOptions>
+Trained train_reference(const OptimizerOptions& optimizer_options, int accumulation) {
+  Model model = fine_tune_model();
+  Optimizer optimizer(trainable(model), optimizer_options);
+  const auto batches = micro_batches(kSteps * accumulation);
+  Trained out;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int m = 0; m < accumulation; ++m) {
+      const Inputs& in = batches[step * accumulation + m];
+      const torch::Tensor loss = loss_of(model.forward(in.x, in.context));
+      loss.backward();
+      out.losses.push_back(loss.detach());
+    }
+    optimizer.step();
+    for (auto& p : trainable(model)) p.mutable_grad().reset();
+  }
+  out.parameters = all_parameters(model);
+  return out;
+}
+
+torch::Tensor forward(ModelOffloader& offloader, Model& model, const Inputs& in, Verbs verbs) {
+  offloader.prepare_block_devices_before_forward();
+  torch::Tensor x = in.x;
+  for (int64_t i = 0; i < kBlocks; ++i) {
+    if (verbs == Verbs::run_block) {
+      x = offloader.run_block(i, {x, in.context}, model.fn(i))[0];
+    } else { // the seed's verbs, with the outputs passed through (training by hand)
+      offloader.wait_for_block(i);
+      x = model.blocks[i]->forward(x, in.context);
+      x = offloader.submit_move_blocks_forward(i, {x})[0];
+    }
+  }
+  return x;
+}
+
+Options fine_tune_options(int64_t k, FusedOptimizer optimizer, int accumulation) {
+  Options o = options(k, true);
+  o.optimizer = std::move(optimizer);
+  o.gradient_accumulation_steps = accumulation;
+  return o;
+}
+
+Trained train_swapped(int64_t k, const FusedOptimizer& optimizer, int accumulation, Verbs verbs,
+                      Stats* stats = nullptr) {
+  Model model = fine_tune_model();
+  const auto batches = micro_batches(kSteps * accumulation);
+  Trained out;
+  {
+    ModelOffloader offloader("blocks", model.modules(),
+                             fine_tune_options(k, optimizer, accumulation));
+    for (int step = 0; step < kSteps; ++step) {
+      if (step == 1) offloader.reset_stats(); // step 0 is the warm-up: prepare loads
+      for (int m = 0; m < accumulation; ++m) {
+        const Inputs& in = batches[step * accumulation + m];
+        const torch::Tensor loss = loss_of(forward(offloader, model, in, verbs));
+        loss.backward();
+        out.losses.push_back(loss.detach());
+      }
+    }
+    if (stats) *stats = offloader.stats();
+    // Read while the offloader lives: every tensor reads its true values, on the device or not.
+    out.parameters = all_parameters(model);
+  }
+  // And after it is gone, from the host tensors it leaves.
+  const auto after = all_parameters(model);
+  for (std::size_t i = 0; i < after.size(); ++i) {
+    EXPECT_TRUE(torch::equal(after[i], out.parameters[i])) << "parameter " << i
+                                                            << " after destruction";
+  }
+  return out;
+}
+
+void expect_same(const Trained& expected, const Trained& got, const std::string& what) {
+  ASSERT_EQ(expected.losses.size(), got.losses.size()) << what;
+  for (std::size_t i = 0; i < expected.losses.size(); ++i) {
+    expect_bitwise(expected.losses[i], got.losses[i], what + " loss " + std::to_string(i));
+  }
+  ASSERT_EQ(expected.parameters.size(), got.parameters.size()) << what;
+  for (std::size_t i = 0; i < expected.parameters.size(); ++i) {
+    expect_bitwise(expected.parameters[i], got.parameters[i],
+                   what + " parameter " + std::to_string(i));
+  }
+}
+
+std::string name(int64_t k, int accumulation, Verbs verbs) {
+  return "K=" + std::to_string(k) + " accumulation " + std::to_string(accumulation) +
+         (verbs == Verbs::run_block ? " run_block" : " by hand");
+}
+
+TEST(FineTune, SgdWithMomentumIsBitwiseLibTorchsSgdForEveryK) {
+  FusedSGD sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  sgd.dampening = 0.1;
+  sgd.weight_decay = 0.01;
+  const auto options = torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01);
+  for (int accumulation : {1, 2}) {
+    const Trained expected = train_reference<torch::optim::SGD>(options, accumulation);
+    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
+      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
+        expect_same(expected, train_swapped(k, sgd, accumulation, verbs),
+                    "SGD " + name(k, accumulation, verbs));
+      }
+    }
+  }
+}
+
+TEST(FineTune, NesterovSgdAndPlainSgdAreBitwiseLibTorchs) {
+  FusedSGD nesterov;
+  nesterov.lr = 0.02;
+  nesterov.momentum = 0.8;
+  nesterov.nesterov = true;
+  expect_same(train_reference<torch::optim::SGD>(
+                  torch::optim::SGDOptions(0.02).momentum(0.8).nesterov(true), 1),
+              train_swapped(3, nesterov, 1, Verbs::run_block), "Nesterov K=3");
+  FusedSGD plain;
+  plain.lr = 0.1;
+  expect_same(train_reference<torch::optim::SGD>(torch::optim::SGDOptions(0.1), 2),
+              train_swapped(2, plain, 2, Verbs::by_hand), "plain SGD K=2");
+}
+
+TEST(FineTune, AdamWIsBitwiseLibTorchsAdamWForEveryK) {
+  FusedAdamW adamw;
+  adamw.lr = 0.01;
+  adamw.weight_decay = 0.1;
+  const auto options = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
+  for (int accumulation : {1, 2}) {
+    const Trained expected = train_reference<torch::optim::AdamW>(options, accumulation);
+    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
+      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
+        expect_same(expected, train_swapped(k, adamw, accumulation, verbs),
+                    "AdamW " + name(k, accumulation, verbs));
+      }
+    }
+  }
+}
+
+TEST(FineTune, ACallbackStepsEachParameterWithItsState) {
+  // Plain SGD with momentum written as a callback, against LibTorch's.
+  FusedCustom custom;
+  custom.state_tensors = 1;
+  std::map<std::string, int64_t> seen;
+  custom.step = [&](const ParamStep& a) {
+    ++seen[std::to_string(a.block) + "." + a.name];
+    if (a.step == 1) {
+      a.state[0].copy_(a.grad);
+    } else {
+      a.state[0].mul_(0.9).add_(a.grad, 1);
+    }
+    a.param.add_(a.state[0], -0.05);
+  };
+  expect_same(train_reference<torch::optim::SGD>(torch::optim::SGDOptions(0.05).momentum(0.9), 1),
+              train_swapped(2, custom, 1, Verbs::run_block), "callback K=2");
+  EXPECT_EQ(seen.size(), static_cast<std::size_t>(kBlocks * 6)); // fc1, fc2 (w, b), lora a, b
+  for (const auto& [param, count] : seen) EXPECT_EQ(count, kSteps) << param;
+}
+
+// Bytes: a block is its frozen weights, then its trainable parameters and their state.
+std::size_t aligned(const torch::Tensor& t) {
+  return layout::align_up(static_cast<std::size_t>(t.numel() * t.element_size()));
+}
+
+TEST(FineTune, EachStepMovesTwoKLoadsAndWritesBackOnlyChangedBlocksTrainableBytes) {
+  Model probe = fine_tune_model();
+  std::size_t frozen = 0, trainable_params = 0;
+  torch::Tensor last;
+  for (const auto& p : probe.blocks[0]->parameters()) {
+    (p.requires_grad() ? trainable_params : frozen) += aligned(p);
+    if (p.requires_grad()) last = p;
+  }
+  // AdamW: the weights, then two moments each; the block ends where its last moment ends.
+  const std::size_t trainable_bytes =
+      3 * trainable_params - (aligned(last) - last.numel() * last.element_size());
+  const std::size_t block_bytes = frozen + trainable_bytes;
+  FusedAdamW adamw;
+  for (int64_t k = 1; k <= kBlocks - 2; ++k) {
+    Stats stats;
+    train_swapped(k, adamw, 1, Verbs::run_block, &stats);
+    const uint64_t steps = kSteps - 1; // after the warm-up
+    // Every block is stepped in every backward. The K that leave in backward have changed;
+    // of the K that leave in the next forward, those that stayed on the device since their
+    // step (at most N-K: the others left and came back since, unchanged).
+    const uint64_t write_backs = k + std::min(k, kBlocks - k);
+    EXPECT_EQ(stats.h2d_bytes, steps * 2 * k * block_bytes) << "K=" << k;
+    EXPECT_EQ(stats.d2h_bytes, steps * write_backs * trainable_bytes) << "K=" << k;
+    const std::size_t slot = layout::align_up(block_bytes);
+    EXPECT_EQ(stats.peak_device_bytes, (kBlocks - k) * slot) << "K=" << k;
+  }
+}
+
+TEST(FineTune, NoStepNoWriteBack) {
+  // Inference and frozen passes move no byte back.
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, FusedAdamW{}, 1));
+  const auto before = all_parameters(model);
+  offloader.set_forward_only(true);
+  {
+    torch::NoGradGuard no_grad;
+    for (int pass = 0; pass < 3; ++pass) forward(offloader, model, Inputs{}, Verbs::run_block);
+  }
+  offloader.set_forward_only(false);
+  // A training forward whose backward never runs changes nothing either.
+  forward(offloader, model, Inputs{}, Verbs::run_block);
+  forward(offloader, model, Inputs{}, Verbs::run_block);
+  offloader.synchronize();
+  EXPECT_EQ(offloader.stats().d2h_bytes, 0u);
+  const auto after = all_parameters(model);
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i]));
+}
+
+TEST(FineTune, ParametersReadTheirTrueValuesBetweenSteps) {
+  // A trainer saves checkpoints between steps: every parameter and every optimizer state
+  // tensor reads the value the step gave it, on the device or not.
+  FusedAdamW adamw;
+  adamw.lr = 0.01;
+  Model reference = fine_tune_model();
+  torch::optim::AdamW optimizer(trainable(reference), torch::optim::AdamWOptions(0.01));
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(3, adamw, 1));
+  const auto batches = micro_batches(3);
+  for (int step = 0; step < 3; ++step) {
+    const Inputs& in = batches[step];
+    loss_of(reference.forward(in.x, in.context)).backward();
+    optimizer.step();
+    for (auto& p : trainable(reference)) p.mutable_grad().reset();
+    loss_of(forward(offloader, model, in, Verbs::run_block)).backward();
+    const auto expected = all_parameters(reference), got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_bitwise(expected[i], got[i], "step " + std::to_string(step) + " parameter " +
+                                              std::to_string(i));
+    }
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      const auto state = offloader.optimizer_state(b);
+      ASSERT_EQ(state.size(), 12u); // 6 parameters, 2 moments each
+      for (const auto& [name, tensor] : state) {
+        const std::string param = name.substr(0, name.rfind('.'));
+        const std::string moment = name.substr(name.rfind('.') + 1);
+        const torch::Tensor p = model.blocks[b]->named_parameters()[param];
+        const auto& ref_state = static_cast<torch::optim::AdamWParamState&>(
+            *optimizer.state().at(c10::guts::to_string(
+                reference.blocks[b]->named_parameters()[param].unsafeGetTensorImpl())));
+        expect_bitwise(moment == "exp_avg" ? ref_state.exp_avg() : ref_state.exp_avg_sq(), tensor,
+                       "block " + std::to_string(b) + " " + name);
+        EXPECT_EQ(tensor.sizes(), p.sizes());
+      }
+      for (const auto& [param, steps] : offloader.optimizer_steps(b)) EXPECT_EQ(steps, step + 1);
+    }
+  }
+}
+
+TEST(FineTune, ALearningRateScheduleIsFollowed) {
+  FusedSGD sgd;
+  sgd.lr = 0.1;
+  Model reference = fine_tune_model();
+  torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.1));
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, sgd, 1));
+  const auto batches = micro_batches(3);
+  for (int step = 0; step < 3; ++step) {
+    const double lr = 0.1 / (step + 1);
+    static_cast<torch::optim::SGDOptions&>(optimizer.param_groups()[0].options()).lr(lr);
+    offloader.set_learning_rate(lr);
+    loss_of(reference.forward(batches[step].x, batches[step].context)).backward();
+    optimizer.step();
+    for (auto& p : trainable(reference)) p.mutable_grad().reset();
+    loss_of(forward(offloader, model, batches[step], Verbs::run_block)).backward();
+  }
+  const auto expected = all_parameters(reference), got = all_parameters(model);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
+  }
+}
+
+TEST(FineTune, PerParameterClippingIsClipGradNormOfEachParameterAlone) {
+  FusedSGD sgd;
+  sgd.lr = 0.5;
+  Model reference = fine_tune_model();
+  torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.5));
+  Model model = fine_tune_model();
+  Options o = fine_tune_options(2, sgd, 1);
+  o.max_grad_norm_per_parameter = 0.01;
+  ModelOffloader offloader("blocks", model.modules(), o);
+  const auto batches = micro_batches(2);
+  int clipped = 0;
+  for (int step = 0; step < 2; ++step) {
+    loss_of(reference.forward(batches[step].x, batches[step].context)).backward();
+    for (auto& p : trainable(reference)) {
+      const double norm = torch::nn::utils::clip_grad_norm_({p}, 0.01);
+      clipped += norm > 0.01;
+    }
+    optimizer.step();
+    for (auto& p : trainable(reference)) p.mutable_grad().reset();
+    loss_of(forward(offloader, model, batches[step], Verbs::run_block)).backward();
+  }
+  EXPECT_GT(clipped, 0); // the test clips something
+  const auto expected = all_parameters(reference), got = all_parameters(model);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
+  }
+}
+
+TEST(FineTune, FrozenWeightsNeverChangeAndGradIsNeverKept) {
+  Model model = fine_tune_model();
+  const torch::Tensor norm_before = model.blocks[4]->norm->weight.detach().clone();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, FusedAdamW{}, 1));
+  loss_of(forward(offloader, model, Inputs{}, Verbs::run_block)).backward();
+  EXPECT_TRUE(torch::equal(model.blocks[4]->norm->weight, norm_before));
+  for (const auto& p : trainable(model)) EXPECT_FALSE(p.grad().defined());
+}
+
+TEST(FineTune, MistakesAreClearErrors) {
+  Model model = fine_tune_model();
+  Options no_backward = fine_tune_options(2, FusedAdamW{}, 1);
+  no_backward.supports_backward = false;
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), no_backward); },
+               "needs supports_backward");
+  FusedAdamW bad_beta;
+  bad_beta.beta1 = 1.0;
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), fine_tune_options(2, bad_beta, 1)); },
+               "betas");
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), fine_tune_options(2, FusedSGD{}, 0)); },
+               "gradient_accumulation_steps");
+  Options accumulate_without = options(2, true);
+  accumulate_without.gradient_accumulation_steps = 2;
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), accumulate_without); },
+               "set Options::optimizer too");
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), fine_tune_options(2, FusedCustom{}, 1)); },
+               "needs a step function");
+  // A gradient left over from an earlier backward would be summed into the first step.
+  loss_of(model.forward(Inputs{}.x, Inputs{}.context)).backward();
+  expect_error([&] { ModelOffloader o("blocks", model.modules(), fine_tune_options(2, FusedSGD{}, 1)); },
+               "has a gradient already");
+  for (auto& p : trainable(model)) p.mutable_grad().reset();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, FusedCustom{0, [](const ParamStep&) {}}, 1));
+  expect_error([&] { offloader.set_learning_rate(0.1); }, "keeps its own learning rate");
+  expect_error([&] { offloader.optimizer_state(kBlocks); }, "out of range");
+  expect_error([&] { offloader.set_optimizer_steps(0, "nope", 1); }, "no trainable parameter 'nope'");
+}
+
+TEST(FineTune, AParameterUsedAlsoOutsideItsBlockIsExactAndOnlyOutsideIsRefused) {
+  // A weight also used by the loss: autograd sums both uses before the step sees the gradient.
+  const Inputs in;
+  Model reference = fine_tune_model();
+  torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.1));
+  const torch::Tensor y_ref = reference.forward(in.x, in.context);
+  (loss_of(y_ref) + reference.blocks[5]->fc1->weight.pow(2).sum()).backward();
+  optimizer.step();
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, FusedSGD{0.1}, 1));
+  const torch::Tensor y = forward(offloader, model, in, Verbs::run_block);
+  (loss_of(y) + model.blocks[5]->fc1->weight.pow(2).sum()).backward();
+  const auto expected = all_parameters(reference), got = all_parameters(model);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
+  }
+  // A backward that reaches the weight but not its block: no step can be placed.
+  const torch::Tensor block0 = model.blocks[0]->fc1->weight;
+  expect_error([&] { block0.pow(2).sum().backward(); }, "outside its block's backward");
+}
+
+TEST(FineTune, ParametersMissingFromTheLastAccumulatingBackwardAreAnError) {
+  // fc2's bias of every block gets a gradient in the first backward only.
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(1, FusedSGD{0.1}, 2));
+  loss_of(forward(offloader, model, Inputs{}, Verbs::run_block)).backward();
+  offloader.prepare_block_devices_before_forward();
+  torch::Tensor x = Inputs{}.x;
+  for (int64_t i = 0; i < kBlocks; ++i) {
+    TestBlock block = model.blocks[i];
+    x = offloader.run_block(i, {x}, [block](const variable_list& in) {
+      return variable_list{in[0] + torch::linear(in[0], block->fc1->weight).sum()};
+    })[0];
+  }
+  expect_error([&] { loss_of(x).backward(); }, "got gradients in earlier accumulating backwards");
+}
+
+// Note [atomic write-back]: a copy that fails while blocks are written back leaves every
+// trainable tensor's host copy wholly old or wholly new, and the error names the blocks.
+TEST(FineTune, AFailedWriteBackLosesNoWeight) {
+  FusedSGD sgd;
+  sgd.lr = 0.5;
+  Model reference = fine_tune_model();
+  const auto old_values = all_parameters(reference);
+  torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.5));
+  const Inputs in;
+  loss_of(reference.forward(in.x, in.context)).backward();
+  optimizer.step();
+  const auto new_values = all_parameters(reference);
+  int named = 0;
+  for (std::size_t nth = 0; nth < 12; ++nth) {
+    for (bool half : {false, true}) {
+      Model model = fine_tune_model();
+      auto emulated = std::make_shared<EmulatedDevice>();
+      Options o = options(2, true);
+      o.optimizer = sgd;
+      o.shared_device = std::make_shared<Device>(emulated);
+      o.device = c10::kCPU;
+      std::optional<std::string> error;
+      {
+        ModelOffloader offloader("blocks", model.modules(), o);
+        const torch::Tensor loss = loss_of(forward(offloader, model, in, Verbs::run_block));
+        emulated->fail_copy(nth, half ? 1000 : 0);
+        try {
+          loss.backward();
+          offloader.synchronize();
+        } catch (const Error& e) {
+          error = e.what();
+        }
+      }
+      if (!error) continue;
+      if (error->find("written back from block(s)") != std::string::npos) ++named;
+      const auto got = all_parameters(model);
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const bool is_old = torch::equal(got[i], old_values[i]);
+        const bool is_new = torch::equal(got[i], new_values[i]);
+        EXPECT_TRUE(is_old || is_new) << "copy " << nth << (half ? " half-way" : "")
+                                      << ": parameter " << i << " is a mix; " << *error;
+      }
+    }
+  }
+  EXPECT_GT(named, 0) << "no injected failure hit a write-back";
+}
+
+} // namespace
+} // namespace blockswap
