@@ -132,6 +132,10 @@ struct Options : EngineOptions {
   // torch::nn::utils::clip_grad_norm_ would scale it in a list of its own); 0 = none. A fused
   // step cannot see the whole model's gradient (docs/guide.md, "Fine-tuning").
   double max_grad_norm_per_parameter = 0;
+  // Clip as torch.nn.utils.clip_grad_norm_ (Python) computes it, which takes the norm of the
+  // one-element stack of norms and differs from LibTorch's in the last bit; the Python package
+  // sets it.
+  bool clip_as_python = false;
 };
 
 // A Device for offloaders to share (Options::shared_device): kCPU is the emulated device,

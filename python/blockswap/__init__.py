@@ -24,7 +24,8 @@ import torch as _torch
 
 from . import _C
 
-__all__ = ["ModelOffloader", "Device", "open_device", "Error", "OutOfMemoryError"]
+__all__ = ["ModelOffloader", "Device", "open_device", "Error", "OutOfMemoryError", "FusedSGD",
+           "FusedAdamW"]
 
 Error = _C.Error
 OutOfMemoryError = _C.OutOfMemoryError
@@ -78,6 +79,73 @@ def _rebuild(value, tensors):
     return value
 
 
+class _FusedOptimizer(_torch.optim.Optimizer):
+    """A torch.optim.Optimizer whose steps run inside backward, in the offloader it is given to
+    (``ModelOffloader(..., optimizer=...)``): full fine-tuning of swapped blocks. ``step()`` and
+    ``zero_grad()`` have nothing to do (the blocks' parameters never keep a ``.grad``); the
+    learning rate in ``param_groups[0]['lr']`` (a scheduler changes it) is read as each forward
+    starts. ``params`` are the blocks' parameters that train, every one of them."""
+
+    _kind = ""
+
+    def __init__(self, params, defaults):
+        super().__init__(params, defaults)
+        if len(self.param_groups) != 1:
+            raise ValueError(f"{type(self).__name__} takes one parameter group")
+        self.offloader = None
+
+    def _hyper(self):
+        group = self.param_groups[0]
+        return {k: float(v) for k, v in self._flat(group).items()}
+
+    @_torch.no_grad()
+    def step(self, closure=None):
+        """The steps ran during backward; this only evaluates ``closure`` when given."""
+        if closure is not None:
+            with _torch.enable_grad():
+                return closure()
+        return None
+
+    def zero_grad(self, set_to_none=True):
+        """Nothing to zero: the fused step leaves no ``.grad`` on the blocks' parameters."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.grad = None
+
+
+class FusedSGD(_FusedOptimizer):
+    """SGD as ``torch.optim.SGD`` computes it (momentum, dampening, weight_decay, nesterov),
+    run per parameter inside backward by the offloader it is given to."""
+
+    _kind = "sgd"
+
+    def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
+                 nesterov=False):
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      weight_decay=weight_decay, nesterov=nesterov))
+
+    @staticmethod
+    def _flat(group):
+        return {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+
+
+class FusedAdamW(_FusedOptimizer):
+    """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay, bias correction, a
+    step count per parameter), run per parameter inside backward by the offloader it is given
+    to."""
+
+    _kind = "adamw"
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay))
+
+    @staticmethod
+    def _flat(group):
+        return dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
+                    eps=group["eps"], weight_decay=group["weight_decay"])
+
+
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -87,6 +155,13 @@ class ModelOffloader:
     Chrome trace file written at ``close()``), ``emulated_link_gbps`` and
     ``emulated_capacity_bytes`` (the emulated device, ``device='cpu'``).
 
+    Full fine-tuning: ``optimizer`` (a ``FusedSGD`` or ``FusedAdamW`` over the blocks'
+    parameters that require grad) swaps those parameters with their blocks and steps each one
+    during backward as soon as its gradient is complete; ``gradient_accumulation_steps``
+    (a step every n-th backward, the gradients summed in the blocks' memory) and
+    ``max_grad_norm_per_parameter`` (clipping each parameter's gradient alone). docs/guide.md,
+    "Fine-tuning".
+
     With no blocks or ``blocks_to_swap=0`` it does nothing, like the seed: it allocates
     nothing, registers nothing and every verb returns at once.
     """
@@ -94,7 +169,8 @@ class ModelOffloader:
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                  device, reentrant_activation_checkpointing, debug=False, *,
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
-                 emulated_link_gbps=0.0, emulated_capacity_bytes=0):
+                 emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
+                 gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0):
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
         self.num_blocks = num_blocks
@@ -106,11 +182,23 @@ class ModelOffloader:
         self._impl = None
         self._hooks = []
         self._trace = trace
+        self.optimizer = optimizer
         if num_blocks != len(self.blocks):
             raise ValueError(f"[{block_type}] num_blocks={num_blocks} but {len(self.blocks)} "
                              "blocks were given")
-        if not self.blocks or blocks_to_swap in (0, None):
+        if optimizer is not None and not isinstance(optimizer, _FusedOptimizer):
+            raise ValueError(f"[{block_type}] optimizer must be a blockswap.FusedSGD or "
+                             f"FusedAdamW, not a {type(optimizer).__name__}: a torch.optim "
+                             "optimizer cannot step parameters that swap")
+        if optimizer is None and (gradient_accumulation_steps != 1
+                                  or max_grad_norm_per_parameter):
+            raise ValueError(f"[{block_type}] gradient_accumulation_steps and "
+                             "max_grad_norm_per_parameter are for the fused step: pass "
+                             "optimizer= too")
+        if not self.blocks or (blocks_to_swap in (0, None) and optimizer is None):
             return  # the seed does nothing either: the trainer's dummy, or no swapping
+        if blocks_to_swap is None:
+            blocks_to_swap = 0
         n = len(self.blocks)
         if not isinstance(blocks_to_swap, int) or isinstance(blocks_to_swap, bool):
             raise ValueError(f"[{block_type}] blocks_to_swap must be an int, got "
@@ -137,16 +225,39 @@ class ModelOffloader:
         # wrappers); the C++ side packs each tensor once too.
         tensors = [([(name, p) for name, p in block.named_parameters()],
                     [(name, b) for name, b in block.named_buffers()]) for block in self.blocks]
+        if optimizer is not None:
+            if optimizer.offloader is not None:
+                raise ValueError(f"[{block_type}] this optimizer already belongs to the "
+                                 f"offloader '{optimizer.offloader}'")
+            self._check_optimizer_params(optimizer)
         self._impl = _C.Offloader(
             block_type, tensors, blocks_to_swap, self.supports_backward,
             _device_name(device) if shared_device is None else "cpu",
             self.reentrant_activation_checkpointing, bool(debug), int(rotating_slots),
             int(device_budget_bytes), shared_device, trace is not None,
-            float(emulated_link_gbps), int(emulated_capacity_bytes))
+            float(emulated_link_gbps), int(emulated_capacity_bytes),
+            optimizer._kind if optimizer is not None else "",
+            optimizer._hyper() if optimizer is not None else {},
+            int(gradient_accumulation_steps), float(max_grad_norm_per_parameter))
+        if optimizer is not None:
+            optimizer.offloader = block_type
         self.blocks_to_swap = self._impl.blocks_to_swap()
         if self.supports_backward:
             for i, block in enumerate(self.blocks):
                 self._hooks.append(block.register_forward_hook(self._forward_hook(i)))
+
+    def _check_optimizer_params(self, optimizer):
+        """The optimizer's parameters are exactly the blocks' parameters that require grad."""
+        trainable = {id(p) for block in self.blocks for p in block.parameters() if p.requires_grad}
+        given = {id(p) for p in optimizer.param_groups[0]["params"]}
+        if given - trainable:
+            raise ValueError(f"[{self.block_type}] the optimizer has {len(given - trainable)} "
+                             "parameter(s) that are not trainable parameters of these blocks: "
+                             "non-block parameters stay with the trainer's own optimizer")
+        if trainable - given:
+            raise ValueError(f"[{self.block_type}] {len(trainable - given)} trainable "
+                             "parameter(s) of these blocks are not in the optimizer: give it "
+                             "every block parameter that requires grad")
 
     def _forward_hook(self, index):
         # A block's outputs, bracketed in autograd: before the block's backward runs, its
@@ -167,6 +278,8 @@ class ModelOffloader:
     @_compiler_disable
     def prepare_block_devices_before_forward(self):
         if self._impl is not None:
+            if self.optimizer is not None:
+                self._impl.set_learning_rate(float(self.optimizer.param_groups[0]["lr"]))
             self._impl.prepare()
 
     @_compiler_disable
@@ -221,6 +334,19 @@ class ModelOffloader:
         if self._impl is not None:
             self._impl.reset_stats()
 
+    def optimizer_state(self, block_idx):
+        """Block i's optimizer state by name (``"<parameter>.exp_avg"``, ...): tensors that
+        read their true values and take what is copied into them, for checkpoints."""
+        if self._impl is None:
+            return {}
+        return dict(self._impl.optimizer_state(block_idx))
+
+    def optimizer_steps(self, block_idx):
+        """How many steps each of block i's parameters took, by name."""
+        if self._impl is None:
+            return {}
+        return dict(self._impl.optimizer_steps(block_idx))
+
     def synchronize(self):
         if self._impl is not None:
             self._impl.synchronize()
@@ -232,6 +358,8 @@ class ModelOffloader:
             handle.remove()
         self._hooks = []
         impl, self._impl = self._impl, None
+        if self.optimizer is not None:
+            self.optimizer.offloader = None
         if impl is not None:
             if self._trace is not None:
                 impl.write_trace(_os.fspath(self._trace))

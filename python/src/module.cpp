@@ -3,6 +3,7 @@
 // seed-compatible face; this module is what it calls.
 #include <torch/extension.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -49,13 +50,27 @@ struct Offloader {
   }
 };
 
+// The Python optimizer's kind and hyper-parameters (blockswap.FusedSGD, FusedAdamW).
+FusedOptimizer fused_optimizer(const std::string& kind, const std::map<std::string, double>& h) {
+  if (kind.empty()) return std::monostate{};
+  if (kind == "sgd") {
+    return FusedSGD{h.at("lr"), h.at("momentum"), h.at("dampening"), h.at("weight_decay"),
+                    h.at("nesterov") != 0};
+  }
+  BLOCKSWAP_CHECK(kind == "adamw", "unknown optimizer kind '", kind, "'");
+  return FusedAdamW{h.at("lr"), h.at("beta1"), h.at("beta2"), h.at("eps"), h.at("weight_decay")};
+}
+
 std::unique_ptr<Offloader> make_offloader(std::string block_type,
                                           const std::vector<std::pair<NamedTensors, NamedTensors>>& blocks,
                                           int64_t blocks_to_swap, bool supports_backward,
                                           const std::string& device, bool reentrant, bool debug,
                                           int64_t rotating_slots, std::size_t budget_bytes,
                                           std::shared_ptr<Device> shared_device, bool trace,
-                                          double link_gbps, std::size_t capacity_bytes) {
+                                          double link_gbps, std::size_t capacity_bytes,
+                                          const std::string& optimizer,
+                                          const std::map<std::string, double>& hyper,
+                                          int64_t accumulation, double max_norm) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
   Options options;
@@ -72,6 +87,10 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
   } else {
     options.device = c10::Device(device);
   }
+  options.optimizer = fused_optimizer(optimizer, hyper);
+  options.gradient_accumulation_steps = accumulation;
+  options.max_grad_norm_per_parameter = max_norm;
+  options.clip_as_python = true;
   auto offloader = std::make_unique<Offloader>();
   if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
   py::gil_scoped_release release; // packing copies every block
@@ -128,7 +147,8 @@ PYBIND11_MODULE(_C, m) {
            py::arg("blocks_to_swap"), py::arg("supports_backward"), py::arg("device"),
            py::arg("reentrant"), py::arg("debug"), py::arg("rotating_slots"),
            py::arg("budget_bytes"), py::arg("shared_device"), py::arg("trace"),
-           py::arg("link_gbps"), py::arg("capacity_bytes"))
+           py::arg("link_gbps"), py::arg("capacity_bytes"), py::arg("optimizer"),
+           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"))
       .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
            Release())
       .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },
@@ -148,6 +168,13 @@ PYBIND11_MODULE(_C, m) {
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
+      .def("set_learning_rate", [](Offloader& o, double lr) { o.get().set_learning_rate(lr); })
+      .def("optimizer_state", [](Offloader& o, int64_t i) { return o.get().optimizer_state(i); })
+      .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
+      .def("set_optimizer_steps",
+           [](Offloader& o, int64_t i, const std::string& name, int64_t steps) {
+             o.get().set_optimizer_steps(i, name, steps);
+           })
       .def("write_trace",
            [](Offloader& o, const std::string& path) {
              BLOCKSWAP_CHECK(o.trace != nullptr, "this ModelOffloader records no trace");

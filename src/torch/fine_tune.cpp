@@ -50,9 +50,14 @@ void adamw(const FusedAdamW& o, const ParamStep& a) {
   a.param.addcdiv_(exp_avg, denom, -step_size);
 }
 
-// torch::nn::utils::clip_grad_norm_({p}, max_norm) for one parameter's gradient.
-void clip(const at::Tensor& grad, double max_norm) {
-  const at::Tensor coefficient = max_norm / (grad.norm(2) + 1e-6);
+// torch::nn::utils::clip_grad_norm_({p}, max_norm) for one parameter's gradient, or with
+// `as_python` torch.nn.utils.clip_grad_norm_([p], max_norm).
+void clip(const at::Tensor& grad, double max_norm, bool as_python) {
+  const at::Tensor norm = grad.norm(2);
+  // Python divides a float by a tensor as the tensor's reciprocal times the float.
+  const at::Tensor coefficient =
+      as_python ? (at::stack({norm}).norm(2) + 1e-6).reciprocal() * max_norm
+                : max_norm / (norm + 1e-6);
   grad.mul_(at::clamp(coefficient, c10::nullopt, 1.0));
 }
 
@@ -122,7 +127,8 @@ void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args) {
 FineTuner::FineTuner(const Options& options, std::string label)
     : enabled_(!std::holds_alternative<std::monostate>(options.optimizer)),
       optimizer_(options.optimizer), accumulation_(options.gradient_accumulation_steps),
-      max_norm_(options.max_grad_norm_per_parameter), label_(std::move(label)) {
+      max_norm_(options.max_grad_norm_per_parameter), clip_as_python_(options.clip_as_python),
+      label_(std::move(label)) {
   check(label_, optimizer_);
   BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
                   accumulation_, "; it must be at least 1");
@@ -212,7 +218,7 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
     state.summed = false;
     binder_->written_by_blockswap(block, where.grad_sum);
   }
-  if (max_norm_ > 0) clip(grad, max_norm_);
+  if (max_norm_ > 0) clip(grad, max_norm_, clip_as_python_);
   ParamStep args{t.name, block, variable.detach(), grad, {}, ++state.steps};
   for (std::size_t s : where.state) args.state.push_back(binder_->tensor(block, s).variable.detach());
   step_parameter(optimizer_, args);

@@ -64,6 +64,7 @@ private:
   FusedOptimizer optimizer_;
   int64_t accumulation_ = 1;
   double max_norm_ = 0;
+  bool clip_as_python_ = false;
   std::string label_;
   BlockBinder* binder_ = nullptr;
   Engine* engine_ = nullptr;
