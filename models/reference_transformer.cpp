@@ -95,6 +95,14 @@ uint64_t ReferenceTransformer::frozen_bytes() const {
   return bytes;
 }
 
+uint64_t ReferenceTransformer::weight_bytes() const {
+  uint64_t bytes = 0;
+  for (const auto& b : blocks_) {
+    for (const auto& p : b->parameters()) bytes += p.nbytes();
+  }
+  return bytes;
+}
+
 torch::Tensor ReferenceTransformer::forward(torch::Tensor x) {
   for (auto& b : blocks_) x = b->forward(x);
   return x;

@@ -63,6 +63,8 @@ public:
   std::vector<torch::Tensor> lora_parameters() const;
   // Bytes of the frozen weights of all blocks: what a device holds without swapping.
   uint64_t frozen_bytes() const;
+  // Bytes of every weight of all blocks, frozen or trainable.
+  uint64_t weight_bytes() const;
   torch::Tensor forward(torch::Tensor x);
   // A deterministic input of `tokens` tokens.
   torch::Tensor example_input(int64_t batch, int64_t tokens) const;

@@ -390,6 +390,29 @@ TEST(Run, DefaultTrainingIsExact) {
   expect_default_run("train");
 }
 
+// Full fine-tuning: every block weight trains with the fused AdamW step; the weights after the
+// last step equal those of LibTorch's AdamW without swapping, and changed blocks go back.
+TEST(Run, FineTuneIsExactAndWritesChangedBlocksBack) {
+  const Result r = run_tool(
+      "run --mode finetune --blocks 6 --swap 2 --hidden 64 --heads 2 --tokens 16 --steps 3 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  EXPECT_EQ(out["mode"], "finetune");
+  EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+  EXPECT_EQ(out["blocks_to_swap"], 2);
+  const uint64_t h2d = out["swapped"]["h2d_bytes"].get<uint64_t>();
+  const uint64_t d2h = out["swapped"]["d2h_bytes"].get<uint64_t>();
+  EXPECT_GT(h2d, 0u);
+  // Per step: 2K = 4 loads of whole blocks, 2K = 4 write-backs of their (all trainable) bytes.
+  EXPECT_EQ(d2h, h2d);
+  EXPECT_LT(out["swapped"]["peak_device_bytes"].get<uint64_t>(),
+            out["baseline"]["peak_device_bytes"].get<uint64_t>());
+  const Result table = run_tool("run --mode finetune --blocks 4 --hidden 64 --heads 2 --tokens 16");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("full fine-tuning"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("(identical)"), std::string::npos) << table.out;
+}
+
 TEST(Run, TableWithoutArguments) {
   const Result r = run_tool("run --blocks 4 --hidden 64 --heads 2 --tokens 16");
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -450,7 +473,7 @@ TEST(Arguments, BadArgumentsAreOneLineErrors) {
       run_tool("run --blocks 4 --swap 4 --hidden 64 --heads 2"),
       {"--swap 4 is out of range for --blocks 4 in infer mode", "expected 0 <= --swap <= 3"},
       "K = N");
-  expect_one_line_error(run_tool("run --mode fly"), {"--mode must be infer or train"}, "mode");
+  expect_one_line_error(run_tool("run --mode fly"), {"--mode must be infer, train or finetune"}, "mode");
   expect_one_line_error(run_tool("run --blocks 4 --hidden 64 --heads 6"),
                         {"--hidden 64 is not divisible by --heads 6"}, "heads");
   expect_one_line_error(run_tool("run --no-such-option"), {"--no-such-option"}, "unknown option");

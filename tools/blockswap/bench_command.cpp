@@ -65,11 +65,12 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
   std::ofstream file(path, std::ios::trunc);
   BLOCKSWAP_CHECK(file.is_open(), "cannot write '", path, "'");
   file << "device,model,copy_compute_ratio,mode,k,rotating_slots,t_noswap,t_swap,t_seed,t_bound,"
-          "h2d_bytes,peak_device_bytes\n";
+          "h2d_bytes,d2h_bytes,peak_device_bytes\n";
   for (const Row& r : rows) {
     file << r.device << ',' << r.model << ',' << r.copy_compute_ratio << ',' << r.mode << ','
          << r.k << ',' << r.rotating_slots << ',' << r.t_noswap << ',' << r.t_swap << ','
-         << r.t_seed << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.peak_device_bytes
+         << r.t_seed << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.d2h_bytes << ','
+         << r.peak_device_bytes
          << '\n';
   }
   BLOCKSWAP_CHECK(file.good(), "error while writing '", path, "'");
@@ -77,8 +78,11 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
 
 void write_plot(const std::string& path, const std::vector<Row>& rows, const std::string& title) {
   std::vector<PlotPanel> panels;
-  for (const std::string mode : {"infer", "train"}) {
-    PlotPanel panel{mode == "infer" ? "inference (per pass)" : "LoRA training (per step)", {}};
+  for (const std::string mode : {"infer", "train", "finetune"}) {
+    PlotPanel panel{mode == "infer"   ? "inference (per pass)"
+                    : mode == "train" ? "LoRA training (per step)"
+                                      : "full fine-tuning, AdamW (per step)",
+                    {}};
     PlotSeries noswap{"no swap", "#888888", {}, {}}, swap{"blockswap", "#1f77b4", {}, {}},
         seed{"seed schedule", "#d62728", {}, {}}, bound{"bound T*", "#2ca02c", {}, {}, true};
     for (const Row& r : rows) {
@@ -108,6 +112,7 @@ nlohmann::json row_json(const Row& r) {
           {"t_bound", r.t_bound},
           {"t_predicted", r.t_predicted},
           {"h2d_bytes", r.h2d_bytes},
+          {"d2h_bytes", r.d2h_bytes},
           {"peak_device_bytes", r.peak_device_bytes},
           {"planned_device_bytes", r.planned_device_bytes}};
 }
@@ -169,7 +174,6 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
 
   models::TransformerConfig config{n, args.hidden, heads, 8, 0};
   ReferenceTransformer model(config), swapped(config), seeded(config);
-  ReferenceTransformer& plain = model;
   const uint64_t block_bytes = model.frozen_bytes() / uint64_t(n);
   const double gbps = achieved_gbps(args.link_gbps, block_bytes);
   const double copy_seconds = double(block_bytes) / (gbps * 1e9);
@@ -198,12 +202,33 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
     packed.assign(n, probe.stats().device_bytes / uint64_t(n));
   }
 
+  // Fine-tuning: the same blocks with every weight training (AdamW; no adapters), whose
+  // packed blocks hold the weights and both moments.
+  models::TransformerConfig finetune_config = config;
+  finetune_config.lora_rank = 0;
+  ReferenceTransformer ft_plain(finetune_config), ft_swapped(finetune_config),
+      ft_seeded(finetune_config);
+  for (ReferenceTransformer* m : {&ft_plain, &ft_swapped, &ft_seeded}) make_trainable(*m);
+  std::vector<std::size_t> ft_packed;
+  {
+    Options probe_options;
+    probe_options.supports_backward = true;
+    probe_options.optimizer = finetune_adamw();
+    const ModelOffloader probe("blocks", ft_swapped.modules(), probe_options);
+    ft_packed.assign(n, probe.stats().device_bytes / uint64_t(n));
+  }
+
   std::vector<Row> rows;
   Progress progress;
-  const int total = int(2 * n - 1);
-  for (const std::string mode : {"infer", "train"}) {
-    const bool train = mode == "train";
+  const int total = int(3 * n - 2);
+  for (const std::string mode : {"infer", "train", "finetune"}) {
+    const Work work = work_of(mode);
+    const bool train = work != Work::infer;
     const Mode m = train ? Mode::training : Mode::forward_only;
+    const bool finetune = work == Work::finetune;
+    ReferenceTransformer& plain = finetune ? ft_plain : model;
+    ReferenceTransformer& swapped_model = finetune ? ft_swapped : swapped;
+    ReferenceTransformer& seeded_model = finetune ? ft_seeded : seeded;
     for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, m); ++k) {
       progress.update("blockswap bench: " + mode + " K=" + std::to_string(k) + ",",
                       int(rows.size()) + 1, total);
@@ -211,6 +236,7 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
       options.blocks_to_swap = k;
       options.supports_backward = train;
       options.emulated_link_gbps = args.link_gbps;
+      if (finetune) options.optimizer = finetune_adamw();
       Row row;
       row.device = "emulated";
       row.model = "reference";
@@ -220,12 +246,12 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
       if (!train && k > 0) row.rotating_slots = layout::default_rotating_slots(n, k);
       // The three variants take turns, step by step, so that each ratio compares steps run
       // under the same machine conditions.
-      ModelOffloader swap_offloader("blocks", swapped.modules(), options);
+      ModelOffloader swap_offloader("blocks", swapped_model.modules(), options);
       options.algorithm = Algorithm::seed;
-      ModelOffloader seed_offloader("blocks", seeded.modules(), options);
-      StepRunner runners[] = {{plain, nullptr, input, train},
-                              {swapped, &swap_offloader, input, train},
-                              {seeded, &seed_offloader, input, train}};
+      ModelOffloader seed_offloader("blocks", seeded_model.modules(), options);
+      StepRunner runners[] = {{plain, nullptr, input, work},
+                              {swapped_model, &swap_offloader, input, work},
+                              {seeded_model, &seed_offloader, input, work}};
       std::vector<double> times[3];
       for (int step = 0; step <= steps; ++step) {
         if (step == 1) swap_offloader.reset_stats();
@@ -239,19 +265,27 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
       row.t_seed = median(times[2]);
       const Stats stats = swap_offloader.stats();
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
+      row.d2h_bytes = stats.d2h_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
-      row.planned_device_bytes = layout::slot_device_bytes(packed, k);
-      row.t_bound = std::max(row.t_noswap, double(row.h2d_bytes) / (gbps * 1e9));
+      row.planned_device_bytes = layout::slot_device_bytes(finetune ? ft_packed : packed, k);
+      // The link carries the loads and, fine-tuning, the write-backs of changed blocks.
+      row.t_bound =
+          std::max(row.t_noswap, double(row.h2d_bytes + row.d2h_bytes) / (gbps * 1e9));
       rows.push_back(row);
     }
   }
   progress.done();
 
   // The targets of the emulated sweep, evaluated on this run.
-  double worst_bound = 0, worst_seed = 1e9;
+  double worst_bound = 0, worst_seed = 1e9, finetune_bound = 0, finetune_noswap = 0;
   bool peaks_exact = true;
   for (const Row& r : rows) {
-    worst_bound = std::max(worst_bound, r.t_swap / r.t_bound);
+    if (r.mode == "finetune") {
+      finetune_bound = std::max(finetune_bound, r.t_swap / r.t_bound);
+      finetune_noswap = std::max(finetune_noswap, r.t_swap / r.t_noswap);
+    } else {
+      worst_bound = std::max(worst_bound, r.t_swap / r.t_bound);
+    }
     if (r.mode == "infer" && 4 * r.k >= n) worst_seed = std::min(worst_seed, r.t_seed / r.t_swap);
     peaks_exact = peaks_exact && r.peak_device_bytes == r.planned_device_bytes;
   }
@@ -270,23 +304,30 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
           {"targets",
            {{"max_swap_over_bound", worst_bound},
             {"min_seed_over_swap_infer_k_ge_n_over_4", worst_seed},
+            {"finetune_max_swap_over_bound", finetune_bound},
+            {"finetune_max_swap_over_noswap", finetune_noswap},
             {"peak_device_bytes_as_planned", peaks_exact}}}};
   if (args.json) return rows;
   std::printf("Emulated device (real compute on this CPU, real copies): %s\nachieved link %.1f "
               "GB/s; per block: copy %.2f ms, forward %.2f ms; median of %d steps\n\n",
               title.c_str(), gbps, copy_seconds * 1e3, compute_seconds * 1e3, steps);
-  std::printf("%-6s %3s %10s %10s %10s %10s %9s %9s %12s\n", "mode", "K", "noswap", "blockswap",
-              "seed", "bound T*", "swap/T*", "seed/swap", "h2d/step");
+  std::printf("%-8s %3s %10s %10s %10s %10s %9s %9s %11s %12s %12s\n", "mode", "K", "noswap",
+              "blockswap", "seed", "bound T*", "swap/T*", "seed/swap", "swap/noswap", "h2d/step",
+              "d2h/step");
   for (const Row& r : rows) {
-    std::printf("%-6s %3lld %10s %10s %10s %10s %9.3f %9.2f %12s\n", r.mode.c_str(),
+    std::printf("%-8s %3lld %10s %10s %10s %10s %9.3f %9.2f %11.3f %12s %12s\n", r.mode.c_str(),
                 static_cast<long long>(r.k), milliseconds(r.t_noswap).c_str(),
                 milliseconds(r.t_swap).c_str(), milliseconds(r.t_seed).c_str(),
                 milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap,
-                format_bytes(r.h2d_bytes).c_str());
+                r.t_swap / r.t_noswap, format_bytes(r.h2d_bytes).c_str(),
+                format_bytes(r.d2h_bytes).c_str());
   }
   std::printf("\ntargets: max T_swap/T* = %.3f; min T_seed/T_swap for inference with K >= N/4 = "
               "%.2f; peak device bytes as planned: %s\n",
               worst_bound, worst_seed, peaks_exact ? "yes" : "NO");
+  std::printf("fine-tuning (T* counts the loads and the write-backs on the one link): max "
+              "T_swap/T* = %.3f, max T_swap/T_noswap = %.3f\n",
+              finetune_bound, finetune_noswap);
   return rows;
 }
 

@@ -40,8 +40,9 @@ int main(int argc, char** argv) {
       "run", "Run the reference transformer with and without block swapping and compare");
   run_cmd
       ->add_option("--mode", run.mode,
-                   "infer or train (LoRA; with --weights that has no adapters, fresh adapters "
-                   "of --lora-rank are added)")
+                   "infer, train (LoRA; with --weights that has no adapters, fresh adapters "
+                   "of --lora-rank are added) or finetune (every block weight trains, AdamW "
+                   "fused into backward)")
       ->capture_default_str();
   run_cmd->add_option("--blocks", run.blocks, "number of transformer blocks")
       ->check(integer_in<int64_t>(1, 4096))

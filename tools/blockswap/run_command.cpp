@@ -64,13 +64,14 @@ int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
 // The host memory a run needs, roughly: the two copies of the model (the baseline and the
 // swapped one) and one step's activations. A run that cannot fit fails now, with the sizes,
 // rather than being killed by the operating system halfway.
-void check_host_memory(const RunArgs& args, bool train, bool emulated) {
+void check_host_memory(const RunArgs& args, bool train, bool emulated, bool finetune) {
   const double h = double(args.hidden), t = double(args.tokens);
   double model_bytes = 0;
   std::string what;
   if (args.weights.empty()) {
     const double block_floats = 12 * h * h + 13 * h + (train ? 16 * double(args.lora_rank) * h : 0);
-    model_bytes = 2 * double(args.blocks) * block_floats * 4;
+    // Fine-tuning: weights, AdamW's two moments, and the baseline's gradients.
+    model_bytes = (finetune ? 7 : 2) * double(args.blocks) * block_floats * 4;
     what = detail::concat("--blocks ", args.blocks, " --hidden ", args.hidden);
   } else {
     std::error_code ignored; // a missing file is reported when it is read
@@ -93,14 +94,13 @@ void check_host_memory(const RunArgs& args, bool train, bool emulated) {
 } // namespace
 
 int run_command(const RunArgs& args) {
-  BLOCKSWAP_CHECK(args.mode == "infer" || args.mode == "train",
-                  "--mode must be infer or train, got '", args.mode, "'");
+  const Work work = work_of(args.mode);
   // The option validators in main.cpp checked each number; here the combinations, all before
   // any work (a trace path that cannot be written must not cost a whole run).
   BLOCKSWAP_CHECK(args.steps >= 1, "--steps must be at least 1, got ", args.steps);
   BLOCKSWAP_CHECK(args.tokens >= 1, "--tokens must be at least 1, got ", args.tokens);
   BLOCKSWAP_CHECK(args.threads >= 1, "--threads must be at least 1, got ", args.threads);
-  const bool train = args.mode == "train";
+  const bool train = work != Work::infer;
   const Mode mode = train ? Mode::training : Mode::forward_only;
   if (args.weights.empty()) {
     BLOCKSWAP_CHECK(args.hidden % args.heads == 0, "--hidden ", args.hidden,
@@ -108,16 +108,19 @@ int run_command(const RunArgs& args) {
   }
   const c10::Device device = checked_device(args.device);
   if (!args.trace.empty()) check_writable("--trace", args.trace);
-  check_host_memory(args, train, device.is_cpu());
+  check_host_memory(args, train, device.is_cpu(), work == Work::finetune);
   at::set_num_threads(args.threads);
 
-  // Training needs adapters: a --weights file without them gets fresh ones of --lora-rank.
-  models::TransformerConfig config{args.blocks, args.hidden, args.heads, train ? args.lora_rank : 0,
-                                   0};
+  // LoRA training needs adapters: a --weights file without them gets fresh ones of
+  // --lora-rank. Fine-tuning trains every block weight, and has no adapters.
+  const int64_t lora_rank = work == Work::train ? args.lora_rank : 0;
+  models::TransformerConfig config{args.blocks, args.hidden, args.heads, lora_rank, 0};
   auto make_model = [&] {
-    return args.weights.empty()
-               ? ReferenceTransformer(config)
-               : ReferenceTransformer::load(args.weights, train ? args.lora_rank : 0);
+    ReferenceTransformer model = args.weights.empty()
+                                     ? ReferenceTransformer(config)
+                                     : ReferenceTransformer::load(args.weights, lora_rank);
+    if (work == Work::finetune) make_trainable(model);
+    return model;
   };
   ReferenceTransformer baseline_model = make_model();
   config = baseline_model.config();
@@ -130,19 +133,23 @@ int run_command(const RunArgs& args) {
   Options options;
   options.blocks_to_swap = k;
   options.supports_backward = train;
+  if (work == Work::finetune) options.optimizer = finetune_adamw();
   options.device = device;
   options.emulated_link_gbps = args.link_gbps;
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
 
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
   const auto [baseline, swapped] =
-      run_side_by_side(baseline_model, swapped_model, offloader, input, train, args.steps);
+      run_side_by_side(baseline_model, swapped_model, offloader, input, work, args.steps);
   const Stats stats = offloader.stats();
   const double diff = max_abs_diff(baseline, swapped);
   if (options.trace) options.trace->write_chrome_json(args.trace);
 
   const uint64_t steps = static_cast<uint64_t>(args.steps);
-  const uint64_t baseline_peak = baseline_model.frozen_bytes();
+  // What the device holds without swapping: the frozen weights; fine-tuning, every weight and
+  // AdamW's two moments for it.
+  const uint64_t baseline_peak = work == Work::finetune ? 3 * baseline_model.weight_bytes()
+                                                        : baseline_model.frozen_bytes();
   const std::string device_text =
       device.is_cpu() ? detail::concat("emulated device (host memory, link ",
                                        args.link_gbps > 0 ? detail::concat(args.link_gbps, " GB/s")
@@ -153,7 +160,8 @@ int run_command(const RunArgs& args) {
   // The simulator's prediction of the swapped step from the baseline's: every block's forward
   // the same, backward twice the forward (an assumption), the link at --link-gbps.
   double predicted = 0;
-  if (args.link_gbps > 0 && std::isfinite(args.link_gbps * 1e9)) {
+  // (Not for fine-tuning: the simulator does not model write-backs.)
+  if (work != Work::finetune && args.link_gbps > 0 && std::isfinite(args.link_gbps * 1e9)) {
     const int64_t n = config.blocks;
     const double forward = baseline.step_seconds / (double(n) * (train ? 3.0 : 1.0));
     const Schedule schedule({n, k, mode});
@@ -185,11 +193,14 @@ int run_command(const RunArgs& args) {
     std::cout << out.dump(2) << '\n';
   } else {
     std::printf(
-        "blockswap run: reference transformer, %lld blocks of %s, hidden %lld, %lld tokens, %s\n",
+        "blockswap run: reference transformer, %lld blocks of %s%s, hidden %lld, %lld tokens, %s\n",
         static_cast<long long>(config.blocks),
         format_bytes(baseline_peak / uint64_t(config.blocks)).c_str(),
+        work == Work::finetune ? " (weights and AdamW's moments)" : "",
         static_cast<long long>(config.hidden), static_cast<long long>(args.tokens),
-        train ? "LoRA training" : "inference");
+        work == Work::finetune ? "full fine-tuning (AdamW, fused step)"
+        : train                ? "LoRA training"
+                               : "inference");
     std::printf("device: %s; %lld of %lld blocks swapped; %d measured steps\n\n",
                 device_text.c_str(), static_cast<long long>(offloader.blocks_to_swap()),
                 static_cast<long long>(config.blocks), args.steps);

@@ -18,12 +18,12 @@ struct BenchRow {
   std::string device; // timed | emulated
   std::string model;  // reference | flux | wan14b
   double copy_compute_ratio = 0;
-  std::string mode; // infer | train
+  std::string mode; // infer | train | finetune (emulated device only)
   int64_t k = 0;    // flux: double blocks swapped (single blocks: 2k)
   double t_noswap = 0, t_swap = 0, t_seed = 0, t_bound = 0;
   double t_predicted = 0;     // the simulator's t_swap (timed device only)
   int64_t rotating_slots = 0; // blockswap's R per list (inference; the first list's)
-  uint64_t h2d_bytes = 0, peak_device_bytes = 0, planned_device_bytes = 0;
+  uint64_t h2d_bytes = 0, d2h_bytes = 0, peak_device_bytes = 0, planned_device_bytes = 0;
 };
 
 // A model's block lists, by geometry: lists[i] blocks of bytes[i] each.

@@ -21,10 +21,53 @@ std::string milliseconds(double seconds) {
   return text;
 }
 
+Work work_of(const std::string& mode) {
+  if (mode == "infer") return Work::infer;
+  if (mode == "train") return Work::train;
+  BLOCKSWAP_CHECK(mode == "finetune", "--mode must be infer, train or finetune, got '", mode, "'");
+  return Work::finetune;
+}
+
+FusedAdamW finetune_adamw() {
+  FusedAdamW adamw;
+  adamw.lr = 1e-4;
+  adamw.weight_decay = 0.01;
+  return adamw;
+}
+
+void make_trainable(ReferenceTransformer& model) {
+  for (const auto& block : model.modules()) {
+    for (auto& p : block->parameters()) p.set_requires_grad(true);
+  }
+}
+
+namespace {
+std::vector<torch::Tensor> block_weights(const ReferenceTransformer& model) {
+  std::vector<torch::Tensor> out;
+  for (const auto& block : model.modules()) {
+    for (const auto& p : block->parameters()) out.push_back(p);
+  }
+  return out;
+}
+} // namespace
+
 StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
-                       bool train)
-    : model_(model), offloader_(offloader), input_(std::move(input)), train_(train),
-      adapters_(model.lora_parameters()) {}
+                       Work work)
+    : model_(model), offloader_(offloader), input_(std::move(input)), work_(work),
+      adapters_(model.lora_parameters()) {
+  if (work_ == Work::finetune && offloader_ == nullptr) {
+    const FusedAdamW o = finetune_adamw();
+    adamw_ = std::make_unique<torch::optim::AdamW>(
+        block_weights(model_), torch::optim::AdamWOptions(o.lr)
+                                   .betas({o.beta1, o.beta2})
+                                   .eps(o.eps)
+                                   .weight_decay(o.weight_decay));
+  }
+}
+
+void StepRunner::add_weights(std::vector<torch::Tensor>& results) const {
+  for (const auto& p : block_weights(model_)) results.push_back(p.detach().clone());
+}
 
 torch::Tensor StepRunner::forward() {
   if (offloader_ == nullptr) return model_.forward(input_);
@@ -41,7 +84,15 @@ torch::Tensor StepRunner::forward() {
 
 double StepRunner::step(std::vector<torch::Tensor>* results) {
   const auto start = Clock::now();
-  if (train_) {
+  if (work_ == Work::finetune) {
+    const torch::Tensor loss = forward().pow(2).mean();
+    loss.backward(); // with blockswap, the blocks step in here
+    if (adamw_) {
+      adamw_->step();
+      for (auto& p : block_weights(model_)) p.mutable_grad().reset();
+    }
+    if (results != nullptr) results->push_back(loss.detach());
+  } else if (work_ == Work::train) {
     const torch::Tensor loss = forward().pow(2).mean();
     loss.backward();
     if (results != nullptr) results->push_back(loss.detach());
@@ -71,10 +122,10 @@ double median(std::vector<double> values) {
 
 std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         bool train, int steps) {
+                                         Work work, int steps) {
   Progress progress;
   Phase phases[2];
-  StepRunner runners[] = {{plain, nullptr, input, train}, {swapped, &offloader, input, train}};
+  StepRunner runners[] = {{plain, nullptr, input, work}, {swapped, &offloader, input, work}};
   std::vector<double> times[2];
   for (int step = 0; step <= steps; ++step) {
     if (step == 1) offloader.reset_stats();
@@ -84,7 +135,10 @@ std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceT
       if (step > 0) times[v].push_back(seconds);
     }
   }
-  for (int v = 0; v < 2; ++v) phases[v].step_seconds = median(times[v]);
+  for (int v = 0; v < 2; ++v) {
+    phases[v].step_seconds = median(times[v]);
+    if (work == Work::finetune) runners[v].add_weights(phases[v].results);
+  }
   return {std::move(phases[0]), std::move(phases[1])};
 }
 

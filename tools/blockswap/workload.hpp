@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,22 +19,38 @@ struct Phase {
   std::vector<torch::Tensor> results;
 };
 
+// What a step does: inference, LoRA training (frozen base weights, adapters stepped by SGD),
+// or full fine-tuning (every block weight trains with AdamW: LibTorch's own without
+// blockswap, the fused step with it).
+enum class Work { infer, train, finetune };
+
+// Work from --mode: "infer", "train", "finetune".
+Work work_of(const std::string& mode);
+// The AdamW of `--mode finetune`, both ways.
+FusedAdamW finetune_adamw();
+// Makes every block weight of `model` trainable (before an offloader is built over it).
+void make_trainable(models::ReferenceTransformer& model);
+
 // One step of the reference transformer, through `offloader` when it is not null.
 class StepRunner {
 public:
   StepRunner(models::ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
-             bool train);
+             Work work);
   // Runs a step and returns its seconds. Training: the loss and every adapter gradient go to
-  // `results` (when not null) and the adapters take an SGD step; inference: the output.
+  // `results` (when not null) and the adapters take an SGD step; fine-tuning: the loss, and
+  // the weights take an AdamW step; inference: the output.
   double step(std::vector<torch::Tensor>* results);
+  // Fine-tuning: every block weight, to compare after the last step.
+  void add_weights(std::vector<torch::Tensor>& results) const;
 
 private:
   torch::Tensor forward();
   models::ReferenceTransformer& model_;
   ModelOffloader* offloader_;
   torch::Tensor input_;
-  bool train_;
+  Work work_;
   std::vector<torch::Tensor> adapters_;
+  std::unique_ptr<torch::optim::AdamW> adamw_; // fine-tuning without blockswap
 };
 
 double median(std::vector<double> values);
@@ -43,7 +60,7 @@ double median(std::vector<double> values);
 std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
                                          models::ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         bool train, int steps);
+                                         Work work, int steps);
 
 double max_abs_diff(const Phase& a, const Phase& b);
 std::string milliseconds(double seconds);
