@@ -235,6 +235,9 @@ public:
   // Full fine-tuning (Options::optimizer). The learning rate of the steps from now on (a
   // schedule changes it between steps).
   void set_learning_rate(double lr);
+  // New hyper-parameters for the steps from now on (a schedule of betas or momentum): the same
+  // kind of optimizer with the same state (SGD's momentum cannot start or stop being 0).
+  void set_optimizer(const FusedOptimizer& optimizer);
   // Block i's optimizer state, by name ("<parameter>.exp_avg", ".exp_avg_sq" for AdamW,
   // ".momentum_buffer" for SGD, ".state<j>" for a callback, ".grad_sum" while gradients are
   // being accumulated): tensors that read their true values wherever the block is, and that

@@ -19,6 +19,7 @@ are put back where its forward's saved tensors point. docs/python.md has the who
 """
 
 import os as _os
+import weakref as _weakref
 
 import torch as _torch
 
@@ -92,11 +93,77 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         super().__init__(params, defaults)
         if len(self.param_groups) != 1:
             raise ValueError(f"{type(self).__name__} takes one parameter group")
-        self.offloader = None
+        self._owner = None   # the ModelOffloader, weakly
+        self._where = {}     # id(parameter) -> (block index, name in the block)
+
+    @property
+    def offloader(self):
+        """The ModelOffloader this optimizer steps in, or None."""
+        return self._owner() if self._owner is not None else None
 
     def _hyper(self):
         group = self.param_groups[0]
+        self._check(group)
         return {k: float(v) for k, v in self._flat(group).items()}
+
+    def _attach(self, offloader, where):
+        self._owner = _weakref.ref(offloader)
+        self._where = where
+        self._push_state()
+
+    def _detach(self):
+        self._pull_state()  # the trained state stays readable after close()
+        self._owner = None
+
+    # Checkpoints in torch.optim's format: the state lives in the blocks' memory, and is
+    # gathered here for state_dict() and scattered back by load_state_dict().
+
+    def _state_names(self):
+        raise NotImplementedError
+
+    def _pull_state(self):
+        offloader = self.offloader
+        if offloader is None or offloader._impl is None:
+            return
+        self.state.clear()
+        by_block = {}
+        for p in self.param_groups[0]["params"]:
+            block, name = self._where[id(p)]
+            if block not in by_block:
+                by_block[block] = (offloader.optimizer_state(block),
+                                   offloader.optimizer_steps(block))
+            tensors, steps = by_block[block]
+            if steps[name] == 0:
+                continue  # never stepped: torch.optim has no state for it either
+            self.state[p] = self._to_torch(steps[name],
+                                           {n: tensors[f"{name}.{n}"].detach().clone()
+                                            for n in self._state_names()})
+
+    def _push_state(self):
+        offloader = self.offloader
+        if offloader is None or offloader._impl is None or not self.state:
+            return
+        with _torch.no_grad():
+            for p, state in self.state.items():
+                block, name = self._where[id(p)]
+                steps, tensors = self._from_torch(state)
+                targets = offloader.optimizer_state(block)
+                for n, value in tensors.items():
+                    targets[f"{name}.{n}"].copy_(value)
+                offloader._impl.set_optimizer_steps(block, name, steps)
+        self.state.clear()
+
+    def state_dict(self):
+        self._pull_state()
+        try:
+            return super().state_dict()
+        finally:
+            if self.offloader is not None:
+                self.state.clear()
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._push_state()
 
     @_torch.no_grad()
     def step(self, closure=None):
@@ -121,12 +188,35 @@ class FusedSGD(_FusedOptimizer):
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
                  nesterov=False):
-        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
-                                      weight_decay=weight_decay, nesterov=nesterov))
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        self._check(defaults)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check(group):
+        for key in ("lr", "momentum", "dampening", "weight_decay"):
+            if not group[key] >= 0:
+                raise ValueError(f"FusedSGD: invalid {key} {group[key]}: it must be >= 0")
+        if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
+            raise ValueError("FusedSGD: Nesterov momentum requires a momentum and zero dampening")
 
     @staticmethod
     def _flat(group):
         return {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+
+    def _state_names(self):
+        return ["momentum_buffer"] if self.param_groups[0]["momentum"] != 0 else []
+
+    @staticmethod
+    def _to_torch(steps, tensors):
+        return {"momentum_buffer": tensors.get("momentum_buffer")}
+
+    @staticmethod
+    def _from_torch(state):
+        buffer = state.get("momentum_buffer")
+        # the fused SGD starts its buffer on a parameter's first step, as torch.optim does
+        return (1, {"momentum_buffer": buffer}) if buffer is not None else (0, {})
 
 
 class FusedAdamW(_FusedOptimizer):
@@ -137,13 +227,36 @@ class FusedAdamW(_FusedOptimizer):
     _kind = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay))
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._check(defaults)
+        super().__init__(params, defaults)
+
+    @staticmethod
+    def _check(group):
+        for key in ("lr", "eps", "weight_decay"):
+            if not group[key] >= 0:
+                raise ValueError(f"FusedAdamW: invalid {key} {group[key]}: it must be >= 0")
+        for i, beta in enumerate(group["betas"]):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"FusedAdamW: invalid beta parameter at index {i}: {beta} "
+                                 "(it must be in [0, 1))")
 
     @staticmethod
     def _flat(group):
         return dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
                     eps=group["eps"], weight_decay=group["weight_decay"])
+
+    def _state_names(self):
+        return ["exp_avg", "exp_avg_sq"]
+
+    @staticmethod
+    def _to_torch(steps, tensors):
+        return {"step": _torch.tensor(float(steps)), **tensors}
+
+    @staticmethod
+    def _from_torch(state):
+        return int(float(state["step"])), {"exp_avg": state["exp_avg"],
+                                            "exp_avg_sq": state["exp_avg_sq"]}
 
 
 class ModelOffloader:
@@ -190,6 +303,14 @@ class ModelOffloader:
             raise ValueError(f"[{block_type}] optimizer must be a blockswap.FusedSGD or "
                              f"FusedAdamW, not a {type(optimizer).__name__}: a torch.optim "
                              "optimizer cannot step parameters that swap")
+        if (not isinstance(gradient_accumulation_steps, int)
+                or isinstance(gradient_accumulation_steps, bool)
+                or gradient_accumulation_steps < 1):
+            raise ValueError(f"[{block_type}] gradient_accumulation_steps must be an int >= 1, "
+                             f"got {gradient_accumulation_steps!r}")
+        if not max_grad_norm_per_parameter >= 0:
+            raise ValueError(f"[{block_type}] max_grad_norm_per_parameter must be >= 0 (0: no "
+                             f"clipping), got {max_grad_norm_per_parameter!r}")
         if optimizer is None and (gradient_accumulation_steps != 1
                                   or max_grad_norm_per_parameter):
             raise ValueError(f"[{block_type}] gradient_accumulation_steps and "
@@ -228,7 +349,7 @@ class ModelOffloader:
         if optimizer is not None:
             if optimizer.offloader is not None:
                 raise ValueError(f"[{block_type}] this optimizer already belongs to the "
-                                 f"offloader '{optimizer.offloader}'")
+                                 f"offloader '{optimizer.offloader.block_type}'")
             self._check_optimizer_params(optimizer)
         self._impl = _C.Offloader(
             block_type, tensors, blocks_to_swap, self.supports_backward,
@@ -240,7 +361,8 @@ class ModelOffloader:
             optimizer._hyper() if optimizer is not None else {},
             int(gradient_accumulation_steps), float(max_grad_norm_per_parameter))
         if optimizer is not None:
-            optimizer.offloader = block_type
+            optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
+                                     for name, p in block.named_parameters() if p.requires_grad})
         self.blocks_to_swap = self._impl.blocks_to_swap()
         if self.supports_backward:
             for i, block in enumerate(self.blocks):
@@ -278,8 +400,8 @@ class ModelOffloader:
     @_compiler_disable
     def prepare_block_devices_before_forward(self):
         if self._impl is not None:
-            if self.optimizer is not None:
-                self._impl.set_learning_rate(float(self.optimizer.param_groups[0]["lr"]))
+            if self.optimizer is not None:  # a scheduler may have changed any of them
+                self._impl.set_optimizer(self.optimizer._kind, self.optimizer._hyper())
             self._impl.prepare()
 
     @_compiler_disable
@@ -347,6 +469,11 @@ class ModelOffloader:
             return {}
         return dict(self._impl.optimizer_steps(block_idx))
 
+    def set_optimizer_steps(self, block_idx, parameter, steps):
+        """Restores the step count of block i's parameter (AdamW's bias correction)."""
+        if self._impl is not None:
+            self._impl.set_optimizer_steps(block_idx, parameter, int(steps))
+
     def synchronize(self):
         if self._impl is not None:
             self._impl.synchronize()
@@ -357,9 +484,9 @@ class ModelOffloader:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        if self.optimizer is not None and self.optimizer.offloader is self:
+            self.optimizer._detach()
         impl, self._impl = self._impl, None
-        if self.optimizer is not None:
-            self.optimizer.offloader = None
         if impl is not None:
             if self._trace is not None:
                 impl.write_trace(_os.fspath(self._trace))

@@ -169,6 +169,10 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
       .def("set_learning_rate", [](Offloader& o, double lr) { o.get().set_learning_rate(lr); })
+      .def("set_optimizer",
+           [](Offloader& o, const std::string& kind, const std::map<std::string, double>& hyper) {
+             o.get().set_optimizer(fused_optimizer(kind, hyper));
+           })
       .def("optimizer_state", [](Offloader& o, int64_t i) { return o.get().optimizer_state(i); })
       .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
       .def("set_optimizer_steps",

@@ -158,3 +158,102 @@ def test_mistakes_are_clear_errors():
         with pytest.raises(ValueError, match="already belongs"):
             blockswap.ModelOffloader("blocks", twin(blocks), N, 2, True, "cpu", False,
                                      optimizer=optimizer)
+
+
+def test_any_hyper_parameter_a_scheduler_changes_is_followed():
+    # OneCycleLR cycles AdamW's betas[0] as well as the learning rate.
+    reference = fine_tune_blocks()
+    ref_opt = torch.optim.AdamW(trainable(reference), lr=1e-2)
+    expected = train(reference, ref_opt, 1, scheduler=torch.optim.lr_scheduler.OneCycleLR(
+        ref_opt, max_lr=1e-2, total_steps=STEPS + 1))
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedAdamW(trainable(blocks), lr=1e-2)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        got = train(blocks, optimizer, 1, offloader, scheduler=torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=1e-2, total_steps=STEPS + 1))
+    assert_same(expected, got, "OneCycleLR")
+    # SGD's momentum and weight decay, changed by hand
+    reference = fine_tune_blocks()
+    ref_opt = torch.optim.SGD(trainable(reference), lr=0.05, momentum=0.5)
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.05, momentum=0.5)
+    with blockswap.ModelOffloader("blocks", blocks, N, 3, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        for step, x in enumerate(batches(3)):
+            for opt in (ref_opt, optimizer):
+                opt.param_groups[0]["momentum"] = 0.5 + 0.1 * step
+                opt.param_groups[0]["weight_decay"] = 0.01 * step
+            run_blocks(reference, x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            run_blocks(blocks, x, offloader).pow(2).mean().backward()
+        optimizer.param_groups[0]["momentum"] = 0.0
+        with pytest.raises(blockswap.Error, match="cannot start or stop being 0"):
+            run_blocks(blocks, batches(1)[0], offloader)
+    assert_same([p.detach() for p in trainable(reference)],
+                [p.detach() for p in trainable(blocks)], "SGD momentum schedule")
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, tmp_path):
+    """state_dict() in torch.optim's format, load_state_dict() into a fresh offloader."""
+    reference_optimizer, fused_optimizer = OPTIMIZERS[kind]
+    inputs = batches(4)
+    reference = fine_tune_blocks()
+    ref_opt = reference_optimizer(trainable(reference))
+    for x in inputs:
+        run_blocks(reference, x).pow(2).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+
+    blocks = fine_tune_blocks()
+    optimizer = fused_optimizer(trainable(blocks))
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        for x in inputs[:2]:
+            run_blocks(blocks, x, offloader).pow(2).mean().backward()
+        torch.save({"model": [b.state_dict() for b in blocks],
+                    "optimizer": optimizer.state_dict()}, tmp_path / "checkpoint.pt")
+    # the checkpoint reads like torch.optim's
+    saved = torch.load(tmp_path / "checkpoint.pt")
+    assert len(saved["optimizer"]["state"]) == len(trainable(blocks))
+
+    resumed = fine_tune_blocks()
+    for block, state in zip(resumed, saved["model"]):
+        block.load_state_dict(state)
+    optimizer = fused_optimizer(trainable(resumed))
+    optimizer.load_state_dict(saved["optimizer"])  # before the offloader exists
+    with blockswap.ModelOffloader("blocks", resumed, N, 3, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        for x in inputs[2:]:
+            run_blocks(resumed, x, offloader).pow(2).mean().backward()
+        got = [p.detach().clone() for p in trainable(resumed)]
+    assert_same([p.detach() for p in trainable(reference)], got, f"{kind} resumed")
+    # and into a live offloader too
+    again = fine_tune_blocks()
+    for block, state in zip(again, saved["model"]):
+        block.load_state_dict(state)
+    optimizer = fused_optimizer(trainable(again))
+    with blockswap.ModelOffloader("blocks", again, N, 1, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        optimizer.load_state_dict(saved["optimizer"])
+        for x in inputs[2:]:
+            run_blocks(again, x, offloader).pow(2).mean().backward()
+        got = [p.detach().clone() for p in trainable(again)]
+    assert_same([p.detach() for p in trainable(reference)], got, f"{kind} resumed live")
+
+
+def test_python_argument_mistakes_are_value_errors():
+    blocks = fine_tune_blocks()
+    with pytest.raises(ValueError, match="invalid lr"):
+        blockswap.FusedAdamW(trainable(blocks), lr=-1)
+    with pytest.raises(ValueError, match="beta parameter at index 0"):
+        blockswap.FusedAdamW(trainable(blocks), betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="Nesterov"):
+        blockswap.FusedSGD(trainable(blocks), lr=0.1, nesterov=True)
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="gradient_accumulation_steps must be an int"):
+            blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                     optimizer=blockswap.FusedSGD(trainable(blocks), lr=0.1),
+                                     gradient_accumulation_steps=bad)

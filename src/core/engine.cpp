@@ -68,6 +68,7 @@ public:
   std::byte* device_data(int64_t block) const;
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
   void mark_dirty(int64_t block);
+  bool writing_back() const;
   void synchronize();
   const Schedule& schedule() const;
   Stats stats() const;
@@ -718,6 +719,14 @@ void Engine::Impl::mark_dirty(int64_t block) {
   blocks_[block].dirty = true;
 }
 
+bool Engine::Impl::writing_back() const {
+  std::lock_guard lock(mutex_);
+  for (const BlockState& state : blocks_) {
+    if (state.writing_back) return true;
+  }
+  return false;
+}
+
 Stats Engine::Impl::stats() const {
   std::lock_guard lock(mutex_);
   collect_stalls();
@@ -780,6 +789,7 @@ std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
   return impl_->device_buffer(block);
 }
 void Engine::mark_dirty(int64_t block) { impl_->mark_dirty(block); }
+bool Engine::writing_back() const { return impl_->writing_back(); }
 void Engine::synchronize() { impl_->synchronize(); }
 const Schedule& Engine::schedule() const { return impl_->schedule(); }
 Stats Engine::stats() const { return impl_->stats(); }

@@ -282,6 +282,18 @@ void FineTuner::set_learning_rate(double lr) {
              optimizer_);
 }
 
+void FineTuner::set_optimizer(const FusedOptimizer& optimizer) {
+  BLOCKSWAP_CHECK(enabled_, "[", label_, "] set_optimizer: this offloader has no optimizer "
+                            "(Options::optimizer); it is chosen when the offloader is built");
+  check(label_, optimizer);
+  BLOCKSWAP_CHECK(optimizer.index() == optimizer_.index() &&
+                      state_names(optimizer) == state_names(optimizer_),
+                  "[", label_, "] set_optimizer: the new optimizer must be the same kind as the "
+                  "offloader's, with the same state (", state_names(optimizer_).size(),
+                  " tensor(s) per parameter; SGD's momentum cannot start or stop being 0)");
+  optimizer_ = optimizer;
+}
+
 void FineTuner::check_attached(int64_t block) const {
   BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(params_.size()), "[", label_,
                   "] block index ", block, " is out of range for ", params_.size(), " blocks");

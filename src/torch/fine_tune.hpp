@@ -49,6 +49,7 @@ public:
   void pass_starts();
 
   void set_learning_rate(double lr);
+  void set_optimizer(const FusedOptimizer& optimizer);
   std::vector<std::pair<std::string, at::Tensor>> state(int64_t block) const;
   std::vector<std::pair<std::string, int64_t>> steps(int64_t block) const;
   void set_steps(int64_t block, const std::string& parameter, int64_t steps);

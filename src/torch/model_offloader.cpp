@@ -166,6 +166,7 @@ public:
   void prepare() {
     binder_.check_still_frozen();
     fine_tuner_.pass_starts();
+    commit_write_backs(); // a pass that stopped before the last block left some
     engine_->prepare();
   }
 
@@ -204,7 +205,20 @@ public:
     torch::autograd::variable_list result = bracket(self, block, outputs, std::move(slot));
     engine_->leave(block, compute());
     outputs_seen_[block] = false;
+    if (block + 1 == static_cast<int64_t>(outputs_seen_.size())) commit_write_backs();
     return result;
+  }
+
+  // Note [host copy after a pass]
+  // A block changed in the last backward and evicted by the next forward is written back while
+  // that forward runs, and its host copy takes the new bytes when the engine synchronizes. So
+  // that reads and writes between passes (evaluation then a checkpoint; loading weights) see
+  // the latest values, the offloader synchronizes once such a write-back is pending at the end
+  // of a forward pass (after the last block), at the next prepare, and at the end of a
+  // backward. At the end of a forward, the copies it waits for are the ones that pass started;
+  // the host waits, the device does not.
+  void commit_write_backs() {
+    if (fine_tuner_.enabled() && engine_->writing_back()) engine_->synchronize();
   }
 
   // A block's outputs, bracketed in autograd when it may be differentiated later.
@@ -238,6 +252,7 @@ public:
           "inference, run under torch::NoGradGuard (torch.no_grad())"));
     }
     engine_->leave(block, compute());
+    if (block + 1 == static_cast<int64_t>(outputs_seen_.size())) commit_write_backs();
   }
 
   void block_backward_starts(int64_t block, const Buffer* slot) override {
@@ -435,6 +450,10 @@ void ModelOffloader::reset_stats() {
 
 void ModelOffloader::set_learning_rate(double lr) {
   impl_->fine_tuner().set_learning_rate(lr);
+}
+
+void ModelOffloader::set_optimizer(const FusedOptimizer& optimizer) {
+  impl_->fine_tuner().set_optimizer(optimizer);
 }
 
 std::vector<std::pair<std::string, at::Tensor>>

@@ -360,6 +360,56 @@ TEST(FineTune, ParametersReadTheirTrueValuesBetweenSteps) {
   }
 }
 
+// An evaluation pass after a step evicts blocks that changed in it: reading and writing the
+// weights after that pass (a checkpoint, loading new weights) sees and keeps the latest values
+// (Note [host copy after a pass]).
+TEST(FineTune, WeightsReadAndWrittenAfterAnEvaluationPassAreTheLatest) {
+  for (int eval = 0; eval < 3; ++eval) {
+    FusedSGD sgd;
+    sgd.lr = 0.1;
+    Model reference = fine_tune_model();
+    torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.1));
+    Model model = fine_tune_model();
+    ModelOffloader offloader("blocks", model.modules(), fine_tune_options(1, sgd, 1));
+    const auto batches = micro_batches(3);
+    auto step = [&](const Inputs& in) {
+      loss_of(reference.forward(in.x, in.context)).backward();
+      optimizer.step();
+      for (auto& p : trainable(reference)) p.mutable_grad().reset();
+      loss_of(forward(offloader, model, in, Verbs::run_block)).backward();
+    };
+    step(batches[0]);
+    const std::string what = "evaluation " + std::to_string(eval);
+    if (eval == 0) {
+      c10::InferenceMode inference;
+      forward(offloader, model, batches[1], Verbs::run_block);
+    } else if (eval == 1) {
+      offloader.set_forward_only(true);
+      torch::NoGradGuard no_grad;
+      forward(offloader, model, batches[1], Verbs::run_block);
+    } else {
+      torch::NoGradGuard no_grad; // a training-mode forward without a graph
+      forward(offloader, model, batches[1], Verbs::by_hand);
+    }
+    auto expected = all_parameters(reference), got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_bitwise(expected[i], got[i], what + " read, parameter " + std::to_string(i));
+    }
+    {
+      torch::NoGradGuard no_grad; // new weights for block 0, as from a checkpoint
+      reference.blocks[0]->fc1->weight.fill_(0.25);
+      model.blocks[0]->fc1->weight.fill_(0.25);
+    }
+    offloader.set_forward_only(false);
+    step(batches[2]);
+    expected = all_parameters(reference);
+    got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_bitwise(expected[i], got[i], what + " then written, parameter " + std::to_string(i));
+    }
+  }
+}
+
 TEST(FineTune, ALearningRateScheduleIsFollowed) {
   FusedSGD sgd;
   sgd.lr = 0.1;
@@ -381,6 +431,35 @@ TEST(FineTune, ALearningRateScheduleIsFollowed) {
   for (std::size_t i = 0; i < got.size(); ++i) {
     expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
   }
+}
+
+TEST(FineTune, NewHyperParametersApplyFromTheNextStep) {
+  FusedAdamW adamw;
+  adamw.lr = 0.01;
+  Model reference = fine_tune_model();
+  torch::optim::AdamW optimizer(trainable(reference), torch::optim::AdamWOptions(0.01));
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, adamw, 1));
+  const auto batches = micro_batches(3);
+  for (int step = 0; step < 3; ++step) {
+    adamw.beta1 = 0.9 - 0.1 * step;
+    adamw.weight_decay = 0.05 * step;
+    auto& o = static_cast<torch::optim::AdamWOptions&>(optimizer.param_groups()[0].options());
+    o.betas({adamw.beta1, adamw.beta2}).weight_decay(adamw.weight_decay);
+    offloader.set_optimizer(adamw);
+    loss_of(reference.forward(batches[step].x, batches[step].context)).backward();
+    optimizer.step();
+    for (auto& p : trainable(reference)) p.mutable_grad().reset();
+    loss_of(forward(offloader, model, batches[step], Verbs::run_block)).backward();
+  }
+  const auto expected = all_parameters(reference), got = all_parameters(model);
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
+  }
+  expect_error([&] { offloader.set_optimizer(FusedSGD{0.1}); }, "same kind");
+  FusedAdamW bad = adamw;
+  bad.beta2 = 1.5;
+  expect_error([&] { offloader.set_optimizer(bad); }, "betas");
 }
 
 TEST(FineTune, PerParameterClippingIsClipGradNormOfEachParameterAlone) {

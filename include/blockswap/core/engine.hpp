@@ -167,6 +167,8 @@ public:
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
   void synchronize();
+  // Whether a block's write-back waits for synchronize() to reach its host copy.
+  bool writing_back() const;
 
   const Schedule& schedule() const;
   Stats stats() const;
