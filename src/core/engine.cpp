@@ -48,6 +48,7 @@ public:
   std::size_t slot_bytes() const { return slot_bytes_; }
   std::byte* host_data(int64_t block) const;
   std::shared_ptr<Buffer> host_buffer(int64_t block) const;
+  HostRegion host_trainable(int64_t block) const;
   std::size_t block_bytes(int64_t block) const;
 
   void prepare();
@@ -81,12 +82,20 @@ private:
     int64_t slot = -1;
     bool ready = false;
     bool dirty = false;
-    // Note [atomic write-back]: a changed block is copied back into `staging`, and into `host`
-    // only once the copy stream has confirmed that copy; meanwhile loads read `staging`.
-    std::unique_ptr<Buffer> staging;
+    // Note [atomic write-back]: the trainable bytes have two host regions, the end of `host`
+    // and `spare`; `current` is the authoritative one. A changed block is copied back into the
+    // other, which becomes current once the copy stream has confirmed that copy; meanwhile
+    // loads read it.
+    std::shared_ptr<Buffer> spare;
+    int current = 0;
     bool writing_back = false;
     std::size_t trainable = 0; // the last `trainable` bytes may change on the device
     std::size_t frozen() const { return bytes - trainable; }
+    HostRegion region(int which) const {
+      return which == 0 ? HostRegion{host, frozen()} : HostRegion{spare, 0};
+    }
+    // Where the freshest trainable bytes are: the target of a pending write-back, or current.
+    HostRegion freshest() const { return region(writing_back ? 1 - current : current); }
     bool forwarded = false;        // computed since prepare(), outside a recompute pass
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
     int64_t replaced = -1;         // for debug lines: the block its load evicted
@@ -213,6 +222,12 @@ std::byte* Engine::Impl::host_data(int64_t block) const {
 std::shared_ptr<Buffer> Engine::Impl::host_buffer(int64_t block) const {
   check_block(block);
   return blocks_[block].host;
+}
+
+HostRegion Engine::Impl::host_trainable(int64_t block) const {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  return blocks_[block].region(blocks_[block].current);
 }
 
 std::size_t Engine::Impl::block_bytes(int64_t block) const {
@@ -521,11 +536,12 @@ void Engine::Impl::evict(int64_t block, bool refilled) {
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty) {
-    if (!state.staging) {
-      state.staging = std::make_unique<Buffer>(backend_->allocate_host(state.trainable));
+    if (!state.spare) {
+      state.spare = std::make_shared<Buffer>(backend_->allocate_host(state.trainable));
     }
-    backend_->copy_to_host(state.staging->data(), slot.memory->data() + state.frozen(),
-                           state.trainable, block);
+    // A block evicted twice before a synchronize overwrites its own pending write-back.
+    backend_->copy_to_host(state.region(1 - state.current).data(),
+                           slot.memory->data() + state.frozen(), state.trainable, block);
     stats_.d2h_bytes += state.trainable;
     state.dirty = false;
     state.writing_back = true;
@@ -546,12 +562,12 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   SlotState& s = slots_[slot];
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
-  if (state.writing_back) {
-    // The frozen bytes from the host copy, the changed ones from where they were written back.
+  if (state.writing_back || state.current != 0) {
+    // The frozen bytes from the host copy, the trainable ones from their freshest region.
     if (state.frozen() > 0) {
       backend_->copy_to_device(s.memory->data(), state.host->data(), state.frozen(), block);
     }
-    backend_->copy_to_device(s.memory->data() + state.frozen(), state.staging->data(),
+    backend_->copy_to_device(s.memory->data() + state.frozen(), state.freshest().data(),
                              state.trainable, block);
   } else {
     backend_->copy_to_device(s.memory->data(), state.host->data(), state.bytes, block);
@@ -583,18 +599,22 @@ void Engine::Impl::forget_unready_loads() {
 }
 
 // Note [atomic write-back]
-// A block changed on the device (mark_dirty) is copied back when it is evicted, into a staging
-// buffer, not into its host copy: a copy that fails part-way must not leave the host copy half
-// old, half new. Once the copy stream has confirmed everything up to it (synchronize), the
-// staging bytes replace the host copy with a host memcpy, which cannot fail. Until then a load
-// of the block reads the staging buffer (the copy stream runs in order, so the write-back is
-// done by then). When a copy fails first, pending write-backs are dropped: every such block's
-// host copy keeps the values from before its changes, and the error names it.
+// A block changed on the device (mark_dirty) is copied back when it is evicted, not over its
+// host copy: a copy that fails part-way must not leave the host copy half old, half new. Its
+// trainable bytes have two host regions; the write-back goes to the one that is not current,
+// and once the copy stream has confirmed everything up to it (synchronize) that region becomes
+// current, and the listener is told where the bytes now are. Nothing is copied on the host.
+// Until then a load of the block reads the pending region (the copy stream runs in order, so
+// the write-back is done by then). When a copy fails first, pending write-backs are dropped:
+// every such block's current region keeps the values from before its changes, and the error
+// names it.
 void Engine::Impl::commit_write_backs() {
-  for (BlockState& state : blocks_) {
+  for (int64_t b = 0; b < blocks(); ++b) {
+    BlockState& state = blocks_[b];
     if (!state.writing_back) continue;
-    std::memcpy(state.host->data() + state.frozen(), state.staging->data(), state.trainable);
+    state.current = 1 - state.current;
     state.writing_back = false;
+    if (listener_ != nullptr) listener_->on_written_back(b, state.region(state.current));
   }
 }
 
@@ -764,6 +784,7 @@ int64_t Engine::blocks() const { return impl_->blocks(); }
 const std::string& Engine::label() const { return impl_->label(); }
 std::byte* Engine::host_data(int64_t block) const { return impl_->host_data(block); }
 std::shared_ptr<Buffer> Engine::host_buffer(int64_t block) const { return impl_->host_buffer(block); }
+HostRegion Engine::host_trainable(int64_t block) const { return impl_->host_trainable(block); }
 std::size_t Engine::block_bytes(int64_t block) const { return impl_->block_bytes(block); }
 std::size_t Engine::slot_bytes() const { return impl_->slot_bytes(); }
 void Engine::prepare() { impl_->prepare(); }

@@ -160,10 +160,16 @@ BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, c10::Device device, b
     : layouts_(std::move(layouts)), device_(device), strict_(strict) {}
 
 at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
-  // The view shares the buffer: the weights outlive the engine.
-  const std::shared_ptr<Buffer>& host = hosts_[block];
+  // The view shares the buffer: the weights outlive the engine. Trainable tensors are where
+  // the block's trainable bytes are now.
+  const HostRegion region = t.role == Role::frozen
+                                ? HostRegion{hosts_[block], 0}
+                                : HostRegion{trainable_hosts_[block].buffer,
+                                             trainable_hosts_[block].offset +
+                                                 (t.offset - layouts_[block].trainable_offset)};
   return at::from_blob(
-      host->data() + t.offset, t.sizes, [keep = host](void*) mutable { keep.reset(); },
+      region.data() + (t.role == Role::frozen ? t.offset : 0), t.sizes,
+      [keep = region.buffer](void*) mutable { keep.reset(); },
       at::TensorOptions().dtype(t.dtype).device(at::kCPU));
 }
 
@@ -183,6 +189,7 @@ void BlockBinder::pack(Engine& engine) {
   // First the copies, which may fail: nothing the caller sees changes until they are done.
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
+    trainable_hosts_.push_back(HostRegion{hosts_.back(), layouts_[b].trainable_offset});
     for (const PackedTensor& t : layouts_[b].tensors) {
       if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
         const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
@@ -272,6 +279,24 @@ void BlockBinder::on_evicted(int64_t block) {
   for (PackedTensor& t : layouts_[block].tensors) {
     bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
                     : host_view(block, t));
+  }
+}
+
+void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> old_views;
+  for (const PackedTensor& t : layouts_[block].tensors) {
+    old_views.push_back(t.role == Role::frozen ? at::Tensor() : host_view(block, t));
+  }
+  trainable_hosts_[block] = trainable;
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    PackedTensor& t = layouts_[block].tensors[i];
+    if (t.role == Role::frozen || t.bound_data != old_views[i].data_ptr()) continue; // on the device
+    const at::Tensor view = host_view(block, t);
+    // What the caller wrote into the old region since is theirs: it goes with the tensor.
+    if (caller_changed(t) && t.variable.sizes().vec() == t.sizes) view.copy_(t.variable.detach());
+    bind(t, view);
   }
 }
 

@@ -103,6 +103,7 @@ public:
 
   void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) override;
   void on_evicted(int64_t block) override;
+  void on_written_back(int64_t block, const HostRegion& trainable) override;
 
 private:
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
@@ -111,6 +112,8 @@ private:
 
   std::vector<BlockLayout> layouts_;
   std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()
+  // Where each block's trainable bytes are in host memory (Note [atomic write-back]).
+  std::vector<HostRegion> trainable_hosts_;
   c10::Device device_;
   bool strict_ = false;
 };

@@ -417,7 +417,7 @@ struct ChangedBlock {
     engine.after_forward(0); // written back, block 1 loaded into the slot
   }
   std::vector<float> host_values() const {
-    const auto* host = reinterpret_cast<const float*>(engine.host_data(0));
+    const auto* host = reinterpret_cast<const float*>(engine.host_trainable(0).data());
     return {host, host + 1024};
   }
   std::vector<float> device_values() const {
@@ -482,10 +482,12 @@ TEST(Engine, OnlyTrainableBytesOfChangedBlocksAreWrittenBack) {
   const Stats stats = engine.stats();
   EXPECT_EQ(stats.h2d_bytes, 4 * 1024 * sizeof(float)); // 2K loads
   EXPECT_EQ(stats.d2h_bytes, kTrainable);               // block 3's; block 0 has not left
-  const auto* host3 = reinterpret_cast<const float*>(engine.host_data(3));
+  const auto* frozen3 = reinterpret_cast<const float*>(engine.host_data(3));
+  const auto* trainable3 = reinterpret_cast<const float*>(engine.host_trainable(3).data());
   for (std::size_t j = 0; j < 1024; ++j) {
+    const float host = j < 768 ? frozen3[j] : trainable3[j - 768];
     const float expected = j < 768 ? FakeModel::value(3, j) : -1.0f - float(j);
-    ASSERT_EQ(host3[j], expected) << "float " << j;
+    ASSERT_EQ(host, expected) << "float " << j;
   }
   // The next forward: block 0 still holds its changes on the device, and block 3 comes back
   // with its frozen bytes from the host and its trainable ones as written back.

@@ -60,6 +60,13 @@ struct Stats {
   uint64_t peak_device_bytes = 0;
 };
 
+// A part of a host buffer: where a block's trainable bytes are (Engine::host_trainable).
+struct HostRegion {
+  std::shared_ptr<Buffer> buffer;
+  std::size_t offset = 0;
+  std::byte* data() const { return buffer->data() + offset; }
+};
+
 // Told when a block becomes ready on the device and when it leaves it. Called with the
 // engine's lock held: it must not call back into the engine. `slot` is the device memory the
 // block's weights occupy; sharing it keeps that memory alive after the engine has let it go
@@ -70,6 +77,10 @@ public:
   virtual ~ResidencyListener() = default;
   virtual void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) = 0;
   virtual void on_evicted(int64_t block) = 0;
+  // Block `block`'s changes written back reached host memory (Note [atomic write-back] in
+  // engine.cpp): its trainable bytes are now at `trainable`, and the region they were in before
+  // will be overwritten by the next write-back.
+  virtual void on_written_back(int64_t /*block*/, const HostRegion& /*trainable*/) {}
 };
 
 // What the caller knows of a block's computation.
@@ -103,9 +114,12 @@ public:
   int64_t blocks() const;
   const std::string& label() const;
   // The host copy of block i's weights: fill it before prepare(). host_buffer shares it, so
-  // that the weights can outlive the engine (e.g. as tensors over it).
+  // that the weights can outlive the engine (e.g. as tensors over it). Once changes of the block
+  // were written back, its trainable bytes (EngineOptions::trainable_bytes) are elsewhere:
+  // host_trainable(i) says where, now.
   std::byte* host_data(int64_t block) const;
   std::shared_ptr<Buffer> host_buffer(int64_t block) const;
+  HostRegion host_trainable(int64_t block) const;
   std::size_t block_bytes(int64_t block) const;
   std::size_t slot_bytes() const; // core/layout.hpp
 
@@ -161,9 +175,9 @@ public:
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
   // Block i's weights were changed on the device: copy its trainable bytes
   // (EngineOptions::trainable_bytes) back when it is evicted. Throws when it has none. The host
-  // copy (host_data) takes the new values at the next synchronize() (or prepare() that waits,
-  // or destruction), all at once; a copy that fails before then leaves it with the old values
-  // and the error names the block (Note [atomic write-back] in engine.cpp).
+  // copy (host_trainable) takes the new values at the next synchronize() (or prepare() that
+  // waits, or destruction), all at once; a copy that fails before then leaves it with the old
+  // values and the error names the block (Note [atomic write-back] in engine.cpp).
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
   void synchronize();
