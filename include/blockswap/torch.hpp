@@ -98,6 +98,14 @@ struct FusedCustom {
 // are the trainer's (LoRA).
 using FusedOptimizer = std::variant<std::monostate, FusedSGD, FusedAdamW, FusedCustom>;
 
+// Where the fused step runs. device: the block's optimizer state swaps with it and the step
+// runs where the block is; changed blocks are written back. host: each gradient is copied to
+// host memory on the copy stream, the CPU steps the block's host copy (the optimizer state
+// stays there and never moves) while the device goes on, and the new weights are loaded next
+// time (a block still on the device at the end of backward is reloaded then). automatic: the
+// one measured faster for the device (docs/performance.md, "Full fine-tuning"): device.
+enum class StepOn { automatic, device, host };
+
 // The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
 // here -1 lets the planner choose), supports_backward, rotating_slots (forward-only R, 1 <= R
 // <= N-K, K+R blocks load per pass; 0 = layout::default_rotating_slots; N-K is the seed's cyclic
@@ -128,6 +136,7 @@ struct Options : EngineOptions {
   // of the backwards before it are summed in the block's memory (and swap with it), as
   // LibTorch sums them in .grad.
   int64_t gradient_accumulation_steps = 1;
+  StepOn step_on = StepOn::automatic;
   // Gradient clipping by norm, for each parameter alone (its gradient scaled as
   // torch::nn::utils::clip_grad_norm_ would scale it in a list of its own); 0 = none. A fused
   // step cannot see the whole model's gradient (docs/guide.md, "Fine-tuning").

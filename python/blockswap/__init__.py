@@ -272,8 +272,10 @@ class ModelOffloader:
     parameters that require grad) swaps those parameters with their blocks and steps each one
     during backward as soon as its gradient is complete; ``gradient_accumulation_steps``
     (a step every n-th backward, the gradients summed in the blocks' memory) and
-    ``max_grad_norm_per_parameter`` (clipping each parameter's gradient alone). docs/guide.md,
-    "Fine-tuning".
+    ``max_grad_norm_per_parameter`` (clipping each parameter's gradient alone), ``step_on``
+    (``"device"``: the optimizer state swaps with the blocks; ``"host"``: gradients go to host
+    memory and the CPU steps there; ``"auto"``: the faster one measured, the device).
+    docs/guide.md, "Fine-tuning".
 
     With no blocks or ``blocks_to_swap=0`` it does nothing, like the seed: it allocates
     nothing, registers nothing and every verb returns at once.
@@ -283,7 +285,8 @@ class ModelOffloader:
                  device, reentrant_activation_checkpointing, debug=False, *,
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
-                 gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0):
+                 gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
+                 step_on="auto"):
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
         self.num_blocks = num_blocks
@@ -311,6 +314,9 @@ class ModelOffloader:
         if not max_grad_norm_per_parameter >= 0:
             raise ValueError(f"[{block_type}] max_grad_norm_per_parameter must be >= 0 (0: no "
                              f"clipping), got {max_grad_norm_per_parameter!r}")
+        if step_on not in ("auto", "device", "host"):
+            raise ValueError(f"[{block_type}] step_on must be 'auto', 'device' or 'host', got "
+                             f"{step_on!r}")
         if optimizer is None and (gradient_accumulation_steps != 1
                                   or max_grad_norm_per_parameter):
             raise ValueError(f"[{block_type}] gradient_accumulation_steps and "
@@ -359,7 +365,7 @@ class ModelOffloader:
             float(emulated_link_gbps), int(emulated_capacity_bytes),
             optimizer._kind if optimizer is not None else "",
             optimizer._hyper() if optimizer is not None else {},
-            int(gradient_accumulation_steps), float(max_grad_norm_per_parameter))
+            int(gradient_accumulation_steps), float(max_grad_norm_per_parameter), str(step_on))
         if optimizer is not None:
             optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
                                      for name, p in block.named_parameters() if p.requires_grad})

@@ -70,7 +70,8 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
                                           double link_gbps, std::size_t capacity_bytes,
                                           const std::string& optimizer,
                                           const std::map<std::string, double>& hyper,
-                                          int64_t accumulation, double max_norm) {
+                                          int64_t accumulation, double max_norm,
+                                          const std::string& step_on) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
   Options options;
@@ -91,6 +92,11 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
   options.gradient_accumulation_steps = accumulation;
   options.max_grad_norm_per_parameter = max_norm;
   options.clip_as_python = true;
+  BLOCKSWAP_CHECK(step_on == "auto" || step_on == "device" || step_on == "host",
+                  "step_on must be 'auto', 'device' or 'host', got '", step_on, "'");
+  options.step_on = step_on == "host"     ? StepOn::host
+                    : step_on == "device" ? StepOn::device
+                                          : StepOn::automatic;
   auto offloader = std::make_unique<Offloader>();
   if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
   py::gil_scoped_release release; // packing copies every block
@@ -148,7 +154,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("reentrant"), py::arg("debug"), py::arg("rotating_slots"),
            py::arg("budget_bytes"), py::arg("shared_device"), py::arg("trace"),
            py::arg("link_gbps"), py::arg("capacity_bytes"), py::arg("optimizer"),
-           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"))
+           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"), py::arg("step_on"))
       .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
            Release())
       .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },

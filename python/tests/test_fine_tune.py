@@ -59,9 +59,10 @@ OPTIMIZERS = {
 }
 
 
+@pytest.mark.parametrize("step_on", ["device", "host"])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("accumulation", [1, 2])
-def test_fused_steps_equal_torch_optim_for_every_k(kind, accumulation):
+def test_fused_steps_equal_torch_optim_for_every_k(kind, accumulation, step_on):
     reference_optimizer, fused_optimizer = OPTIMIZERS[kind]
     reference = fine_tune_blocks()
     expected = train(reference, reference_optimizer(trainable(reference)), accumulation)
@@ -69,7 +70,7 @@ def test_fused_steps_equal_torch_optim_for_every_k(kind, accumulation):
         blocks = fine_tune_blocks()
         optimizer = fused_optimizer(trainable(blocks))
         with blockswap.ModelOffloader("blocks", blocks, N, k, True, torch.device("cpu"), False,
-                                      optimizer=optimizer,
+                                      optimizer=optimizer, step_on=step_on,
                                       gradient_accumulation_steps=accumulation) as offloader:
             got = train(blocks, optimizer, accumulation, offloader)
             for p in trainable(blocks):
@@ -195,8 +196,9 @@ def test_any_hyper_parameter_a_scheduler_changes_is_followed():
                 [p.detach() for p in trainable(blocks)], "SGD momentum schedule")
 
 
+@pytest.mark.parametrize("step_on", ["device", "host"])
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, tmp_path):
+def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, step_on, tmp_path):
     """state_dict() in torch.optim's format, load_state_dict() into a fresh offloader."""
     reference_optimizer, fused_optimizer = OPTIMIZERS[kind]
     inputs = batches(4)
@@ -210,7 +212,7 @@ def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, tmp_path):
     blocks = fine_tune_blocks()
     optimizer = fused_optimizer(trainable(blocks))
     with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
-                                  optimizer=optimizer) as offloader:
+                                  optimizer=optimizer, step_on=step_on) as offloader:
         for x in inputs[:2]:
             run_blocks(blocks, x, offloader).pow(2).mean().backward()
         torch.save({"model": [b.state_dict() for b in blocks],
@@ -225,7 +227,7 @@ def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, tmp_path):
     optimizer = fused_optimizer(trainable(resumed))
     optimizer.load_state_dict(saved["optimizer"])  # before the offloader exists
     with blockswap.ModelOffloader("blocks", resumed, N, 3, True, "cpu", False,
-                                  optimizer=optimizer) as offloader:
+                                  optimizer=optimizer, step_on=step_on) as offloader:
         for x in inputs[2:]:
             run_blocks(resumed, x, offloader).pow(2).mean().backward()
         got = [p.detach().clone() for p in trainable(resumed)]
@@ -236,7 +238,7 @@ def test_a_checkpoint_of_the_optimizer_resumes_exactly(kind, tmp_path):
         block.load_state_dict(state)
     optimizer = fused_optimizer(trainable(again))
     with blockswap.ModelOffloader("blocks", again, N, 1, True, "cpu", False,
-                                  optimizer=optimizer) as offloader:
+                                  optimizer=optimizer, step_on=step_on) as offloader:
         optimizer.load_state_dict(saved["optimizer"])
         for x in inputs[2:]:
             run_blocks(again, x, offloader).pow(2).mean().backward()
@@ -252,6 +254,10 @@ def test_python_argument_mistakes_are_value_errors():
         blockswap.FusedAdamW(trainable(blocks), betas=(1.0, 0.9))
     with pytest.raises(ValueError, match="Nesterov"):
         blockswap.FusedSGD(trainable(blocks), lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="step_on must be"):
+        blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                 optimizer=blockswap.FusedSGD(trainable(blocks), lr=0.1),
+                                 step_on="cpu")
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="gradient_accumulation_steps must be an int"):
             blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,

@@ -70,6 +70,11 @@ public:
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
   void mark_dirty(int64_t block);
   bool writing_back() const;
+  std::shared_ptr<Event> copy_out(std::byte* host, const std::byte* device, std::size_t bytes,
+                                  int64_t tag);
+  void reload_trainable(int64_t block);
+  // Without the engine's lock: a worker thread waits while the engine goes on.
+  void wait_event(const Event& event) { backend_->synchronize(event); }
   void synchronize();
   const Schedule& schedule() const;
   Stats stats() const;
@@ -560,6 +565,7 @@ void Engine::Impl::evict(int64_t block, bool refilled) {
 void Engine::Impl::load(int64_t block, int64_t slot) {
   BlockState& state = blocks_[block];
   SlotState& s = slots_[slot];
+  if (listener_ != nullptr) listener_->before_load(block); // the host copy must be final
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
   if (state.writing_back || state.current != 0) {
@@ -739,6 +745,42 @@ void Engine::Impl::mark_dirty(int64_t block) {
   blocks_[block].dirty = true;
 }
 
+// Note [host step]
+// With the optimizer step on the host, a parameter's gradient is copied out on the copy stream
+// (after the computation that produced it), the CPU steps the block's host copy, and the
+// block's trainable bytes are loaded again into its slot if it is still there. Loads of the
+// block wait until its steps are done (ResidencyListener::before_load).
+std::shared_ptr<Event> Engine::Impl::copy_out(std::byte* host, const std::byte* device,
+                                              std::size_t bytes, int64_t tag) {
+  std::lock_guard lock(mutex_);
+  std::shared_ptr<Event> computed = backend_->make_event();
+  backend_->record(*computed, Stream::compute);
+  backend_->wait(Stream::copy, *computed);
+  backend_->copy_to_host(host, device, bytes, tag);
+  stats_.d2h_bytes += bytes;
+  std::shared_ptr<Event> done = backend_->make_event();
+  backend_->record(*done, Stream::copy);
+  return done;
+}
+
+void Engine::Impl::reload_trainable(int64_t block) {
+  std::lock_guard lock(mutex_);
+  check_block(block);
+  BlockState& state = blocks_[block];
+  if (state.slot < 0 || state.trainable == 0) return;
+  BLOCKSWAP_CHECK(!state.dirty && !state.writing_back, "[", label_, "] block ", block,
+                  " changed on the device and on the host at once");
+  if (listener_ != nullptr) listener_->before_load(block);
+  SlotState& slot = slots_[state.slot];
+  backend_->record(*slot.released, Stream::compute); // after every reader of the old bytes
+  backend_->wait(Stream::copy, *slot.released);
+  backend_->copy_to_device(slot.memory->data() + state.frozen(), state.region(state.current).data(),
+                           state.trainable, block);
+  backend_->record(*state.loaded, Stream::copy);
+  stats_.h2d_bytes += state.trainable;
+  state.ready = false; // the next enter waits for it
+}
+
 bool Engine::Impl::writing_back() const {
   std::lock_guard lock(mutex_);
   for (const BlockState& state : blocks_) {
@@ -811,6 +853,12 @@ std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
 }
 void Engine::mark_dirty(int64_t block) { impl_->mark_dirty(block); }
 bool Engine::writing_back() const { return impl_->writing_back(); }
+std::shared_ptr<Event> Engine::copy_out(std::byte* host, const std::byte* device,
+                                        std::size_t bytes, int64_t tag) {
+  return impl_->copy_out(host, device, bytes, tag);
+}
+void Engine::wait(const Event& event) { impl_->wait_event(event); }
+void Engine::reload_trainable(int64_t block) { impl_->reload_trainable(block); }
 void Engine::synchronize() { impl_->synchronize(); }
 const Schedule& Engine::schedule() const { return impl_->schedule(); }
 Stats Engine::stats() const { return impl_->stats(); }

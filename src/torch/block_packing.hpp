@@ -5,6 +5,7 @@
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -100,6 +101,15 @@ public:
     return layouts_[block].tensors[index];
   }
   void written_by_blockswap(int64_t block, std::size_t index);
+  // The host copy of that tensor (where it is now), whatever the tensor is bound to.
+  at::Tensor host_copy(int64_t block, std::size_t index) const {
+    return host_view(block, layouts_[block].tensors[index]);
+  }
+  // Called before a block is loaded from its host copy (ResidencyListener::before_load).
+  std::function<void(int64_t)> before_load_hook;
+  void before_load(int64_t block) override {
+    if (before_load_hook) before_load_hook(block);
+  }
 
   void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) override;
   void on_evicted(int64_t block) override;

@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -129,6 +131,7 @@ FineTuner::FineTuner(const Options& options, std::string label)
       optimizer_(options.optimizer), accumulation_(options.gradient_accumulation_steps),
       max_norm_(options.max_grad_norm_per_parameter), clip_as_python_(options.clip_as_python),
       label_(std::move(label)) {
+  on_host_ = enabled_ && options.step_on == StepOn::host;
   check(label_, optimizer_);
   BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
                   accumulation_, "; it must be at least 1");
@@ -148,11 +151,14 @@ FineTuner::FineTuner(const Options& options, std::string label)
 
 PackingRules FineTuner::packing() const {
   if (!enabled_) return {};
+  if (on_host_) return PackingRules{true, {}, false}; // the state stays in host memory
   return PackingRules{true, state_names(optimizer_), accumulation_ > 1};
 }
 
+FineTuner::~FineTuner() { stop(); }
+
 void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder,
-                       Engine& engine) {
+                       Engine& engine, bool pinned) {
   binder_ = &binder;
   engine_ = &engine;
   const auto& layouts = binder.layouts();
@@ -167,6 +173,34 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
       accumulators_.push_back(on_gradient(t.variable, events, static_cast<int64_t>(b), p));
     }
   }
+  if (!on_host_) return;
+  const auto names = state_names(optimizer_);
+  host_.resize(layouts.size());
+  host_stepped_.assign(layouts.size(), false);
+  in_flight_.assign(layouts.size(), 0);
+  for (std::size_t b = 0; b < layouts.size(); ++b) {
+    for (const TrainableParam& param : layouts[b].trainable) {
+      const PackedTensor& t = layouts[b].tensors[param.tensor];
+      const auto options = at::TensorOptions().dtype(t.dtype).pinned_memory(pinned);
+      HostParam host{at::empty(t.sizes, options), at::Tensor(), {}};
+      if (accumulation_ > 1) host.grad_sum = at::zeros(t.sizes, options);
+      for (std::size_t i = 0; i < names.size(); ++i) host.state.push_back(at::zeros(t.sizes, options));
+      host_[b].push_back(std::move(host));
+    }
+  }
+  binder.before_load_hook = [this](int64_t block) { wait_for_block(block); };
+  worker_ = std::thread([this] { work(); });
+}
+
+void FineTuner::stop() {
+  if (!worker_.joinable()) return;
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  worker_.join();
+  if (binder_ != nullptr) binder_->before_load_hook = nullptr;
 }
 
 bool FineTuner::backward_starts(int64_t block) {
@@ -184,7 +218,7 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
   const TrainableParam& where = binder_->layouts()[block].trainable[param];
   const PackedTensor& t = binder_->tensor(block, where.tensor);
   at::Tensor variable = t.variable;
-  at::Tensor grad = variable.grad();
+  const at::Tensor grad = variable.grad();
   if (!grad.defined()) return;
   // The gradient lives in the step, or in the block's memory while it accumulates: never in
   // .grad, which would keep a device copy of every parameter's gradient.
@@ -193,38 +227,109 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
                   " got a gradient outside its block's backward (used outside the block, or "
                   "backward called on a tensor computed from it directly): a parameter that "
                   "trains with its block may be used only inside the block");
+  const bool final = backwards_[block] >= accumulation_;
+  if (on_host_) {
+    host_gradient(block, param, grad, final);
+    return;
+  }
   BLOCKSWAP_CHECK(engine_->is_ready(block) && variable.data_ptr() == t.bound_data, "[", label_,
                   "] parameter '", t.name, "' of block ", block,
                   " got its gradient after the block left the device, so it cannot be stepped");
   at::NoGradGuard no_grad;
-  Param& state = params_[block][param];
-  if (backwards_[block] < accumulation_) {
-    const at::Tensor sum = binder_->tensor(block, where.grad_sum).variable.detach();
-    if (state.summed) {
+  std::vector<at::Tensor> state;
+  for (std::size_t s : where.state) state.push_back(binder_->tensor(block, s).variable.detach());
+  const at::Tensor sum =
+      accumulation_ > 1 ? binder_->tensor(block, where.grad_sum).variable.detach() : at::Tensor();
+  step(block, param, grad, sum, final, variable.detach(), state);
+  if (accumulation_ > 1) binder_->written_by_blockswap(block, where.grad_sum);
+  binder_->written_by_blockswap(block, where.tensor);
+  for (std::size_t s : where.state) binder_->written_by_blockswap(block, s);
+  engine_->mark_dirty(block);
+}
+
+void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum,
+                     bool final, const at::Tensor& variable, const std::vector<at::Tensor>& state) {
+  Param& p = params_[block][param];
+  if (!final) {
+    if (p.summed) {
       sum.add_(grad);
     } else {
       sum.copy_(grad);
     }
-    state.summed = true;
-    binder_->written_by_blockswap(block, where.grad_sum);
-    engine_->mark_dirty(block);
+    p.summed = true;
     return;
   }
-  if (state.summed) {
+  if (p.summed) {
     // LibTorch sums into .grad in place: the earlier backwards' sum, plus this one.
-    const at::Tensor sum = binder_->tensor(block, where.grad_sum).variable.detach();
     sum.add_(grad);
     grad = sum;
-    state.summed = false;
-    binder_->written_by_blockswap(block, where.grad_sum);
+    p.summed = false;
   }
   if (max_norm_ > 0) clip(grad, max_norm_, clip_as_python_);
-  ParamStep args{t.name, block, variable.detach(), grad, {}, ++state.steps};
-  for (std::size_t s : where.state) args.state.push_back(binder_->tensor(block, s).variable.detach());
-  step_parameter(optimizer_, args);
-  binder_->written_by_blockswap(block, where.tensor);
-  for (std::size_t s : where.state) binder_->written_by_blockswap(block, s);
-  engine_->mark_dirty(block);
+  const auto& layout = binder_->layouts()[block];
+  step_parameter(optimizer_, ParamStep{layout.tensors[layout.trainable[param].tensor].name, block,
+                                       variable, grad, state, ++p.steps});
+}
+
+// Note [host step] in engine.cpp: the gradient goes out on the copy stream; the worker waits
+// for it and steps the host copy; loads of the block wait for the worker (before_load).
+void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor& grad,
+                              bool final) {
+  HostParam& host = host_[block][param];
+  const at::Tensor out = grad.contiguous();
+  HostTask task{block, param,
+                engine_->copy_out(static_cast<std::byte*>(host.grad.data_ptr()),
+                                  static_cast<const std::byte*>(out.data_ptr()),
+                                  out.numel() * out.element_size(), block),
+                out, final};
+  {
+    std::lock_guard lock(mutex_);
+    tasks_.push_back(std::move(task));
+    ++in_flight_[block];
+    if (final) host_stepped_[block] = true;
+  }
+  changed_.notify_all();
+}
+
+void FineTuner::work() {
+  const at::NoGradGuard no_grad; // this thread's own grad mode
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    changed_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+    if (tasks_.empty()) return; // stopping, nothing left
+    HostTask task = std::move(tasks_.front());
+    tasks_.pop_front();
+    lock.unlock();
+    std::string failure;
+    try {
+      engine_->wait(*task.copied);
+      task.device_grad = at::Tensor();
+      const HostParam& host = host_[task.block][task.param];
+      const TrainableParam& where = binder_->layouts()[task.block].trainable[task.param];
+      step(task.block, task.param, host.grad, host.grad_sum, task.final,
+           binder_->host_copy(task.block, where.tensor), host.state);
+    } catch (const std::exception& e) {
+      const auto& layout = binder_->layouts()[task.block];
+      failure = detail::concat("parameter '", layout.tensors[layout.trainable[task.param].tensor].name,
+                               "' of block ", task.block, ": ", e.what());
+    }
+    task.device_grad = at::Tensor();
+    lock.lock();
+    if (!failure.empty() && host_failure_.empty()) host_failure_ = failure;
+    --in_flight_[task.block];
+    changed_.notify_all();
+  }
+}
+
+void FineTuner::drain() {
+  if (!on_host_) return;
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return tasks_.empty() && std::all_of(in_flight_.begin(), in_flight_.end(), [](int64_t n) { return n == 0; }); });
+}
+
+void FineTuner::wait_for_block(int64_t block) {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return in_flight_[block] == 0; });
 }
 
 // Note [host copy after backward]
@@ -236,6 +341,27 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
 // backward's last blocks started, which the next forward needs first anyway.
 void FineTuner::backward_done() {
   end_queued_ = false;
+  if (on_host_) {
+    drain();
+    std::string failure;
+    {
+      std::lock_guard lock(mutex_);
+      failure.swap(host_failure_);
+    }
+    // The blocks stepped on the host that are still on the device get their new weights; a
+    // backward through a graph that saved the old ones raises, as after torch.optim's step.
+    for (std::size_t b = 0; b < host_stepped_.size(); ++b) {
+      if (!host_stepped_[b]) continue;
+      host_stepped_[b] = false;
+      for (const TrainableParam& param : binder_->layouts()[b].trainable) {
+        torch::autograd::impl::bump_version(binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
+        binder_->written_by_blockswap(static_cast<int64_t>(b), param.tensor);
+      }
+      engine_->reload_trainable(static_cast<int64_t>(b));
+    }
+    BLOCKSWAP_CHECK(failure.empty(), "[", label_, "] the step on the host failed for ", failure,
+                    "; that parameter keeps its value from before this step");
+  }
   std::string partial;
   for (std::size_t b = 0; b < in_backward_.size(); ++b) {
     if (!in_backward_[b]) continue;
@@ -259,6 +385,7 @@ void FineTuner::backward_done() {
 }
 
 void FineTuner::pass_starts() {
+  drain(); // a backward that failed part-way may have left host steps in flight
   if (!end_queued_) return;
   end_queued_ = false; // the backward failed before its end: its counts are void
   for (std::size_t b = 0; b < in_backward_.size(); ++b) {
@@ -302,6 +429,18 @@ void FineTuner::check_attached(int64_t block) const {
 std::vector<std::pair<std::string, at::Tensor>> FineTuner::state(int64_t block) const {
   check_attached(block);
   std::vector<std::pair<std::string, at::Tensor>> out;
+  if (on_host_) {
+    const auto& layout = binder_->layouts()[block];
+    const auto names = state_names(optimizer_);
+    for (std::size_t p = 0; p < host_[block].size(); ++p) {
+      const std::string& name = layout.tensors[layout.trainable[p].tensor].name;
+      for (std::size_t i = 0; i < names.size(); ++i) {
+        out.emplace_back(name + "." + names[i], host_[block][p].state[i]);
+      }
+      if (accumulation_ > 1) out.emplace_back(name + ".grad_sum", host_[block][p].grad_sum);
+    }
+    return out;
+  }
   for (const PackedTensor& t : binder_->layouts()[block].tensors) {
     if (t.role == Role::state) out.emplace_back(t.name, t.variable);
   }

@@ -5,7 +5,11 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <condition_variable>
 #include <cstddef>
+#include <deque>
+#include <mutex>
+#include <thread>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -28,13 +32,21 @@ public:
   // Validates the options (an optimizer needs supports_backward; hyper-parameters in range);
   // throws Error naming what is wrong.
   FineTuner(const Options& options, std::string label);
+  ~FineTuner();
+  FineTuner(const FineTuner&) = delete;
+  FineTuner& operator=(const FineTuner&) = delete;
 
   bool enabled() const { return enabled_; }
+  bool on_host() const { return on_host_; }
   // What the offloader packs besides frozen weights.
   PackingRules packing() const;
 
-  // After packing: hooks on the gradient accumulator of every trainable parameter.
-  void attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder, Engine& engine);
+  // After packing: hooks on the gradient accumulator of every trainable parameter; with the
+  // step on the host, its state in host memory (pinned when `pinned`) and its worker thread.
+  void attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder, Engine& engine,
+              bool pinned);
+  // Waits for the host steps in flight and ends the worker; before the engine goes.
+  void stop();
 
   // Block `block`'s backward starts: one more backward through it (counted once per backward
   // call). Returns true when the caller must arrange for backward_done() at this backward's end.
@@ -59,9 +71,31 @@ private:
     int64_t steps = 0;   // steps taken
     bool summed = false; // grad_sum holds gradients of earlier backwards of this step
   };
+  // The step on the host (Note [host step] in engine.cpp): each parameter's gradient copied
+  // out, its state, and the sum of accumulating gradients, in host memory.
+  struct HostParam {
+    at::Tensor grad, grad_sum;
+    std::vector<at::Tensor> state;
+  };
+  struct HostTask {
+    int64_t block = 0;
+    std::size_t param = 0;
+    std::shared_ptr<Event> copied; // the gradient is in HostParam::grad
+    at::Tensor device_grad;        // alive until then
+    bool final = false;
+  };
   void check_attached(int64_t block) const;
+  // The step itself: `grad` is the gradient of this backward; earlier ones are summed in
+  // `sum` until the last backward of a step. `param` and `state` are where the step runs.
+  void step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum, bool final,
+            const at::Tensor& variable, const std::vector<at::Tensor>& state);
+  void host_gradient(int64_t block, std::size_t param, const at::Tensor& grad, bool final);
+  void work();                  // the worker thread
+  void drain();                 // until no host step is in flight
+  void wait_for_block(int64_t block);
 
   bool enabled_ = false;
+  bool on_host_ = false;
   FusedOptimizer optimizer_;
   int64_t accumulation_ = 1;
   double max_norm_ = 0;
@@ -74,6 +108,16 @@ private:
   std::vector<int64_t> backwards_;  // backwards through each block since its last step
   std::vector<bool> in_backward_;   // counted in the backward now running
   bool end_queued_ = false;
+
+  std::vector<std::vector<HostParam>> host_;
+  std::vector<bool> host_stepped_; // host steps changed the block in this backward
+  std::mutex mutex_;               // guards what the worker shares
+  std::condition_variable changed_;
+  std::deque<HostTask> tasks_;
+  std::vector<int64_t> in_flight_; // host tasks per block, queued or running
+  std::string host_failure_;       // the first failed host step of this backward
+  bool stopping_ = false;
+  std::thread worker_;
 };
 
 } // namespace blockswap::torch_frontend

@@ -134,13 +134,14 @@ public:
   // What needs the offloader shared: hooks that find it while it lives.
   void start(const std::shared_ptr<Impl>& self) {
     self_ = self;
-    fine_tuner_.attach(self, binder_, *engine_);
+    fine_tuner_.attach(self, binder_, *engine_, torch_device_.is_cuda());
   }
 
   torch_frontend::FineTuner& fine_tuner() { return fine_tuner_; }
   const torch_frontend::FineTuner& fine_tuner() const { return fine_tuner_; }
 
   ~Impl() override {
+    fine_tuner_.stop(); // its worker uses the engine
     try {
       engine_->set_listener(nullptr);
       engine_->synchronize();

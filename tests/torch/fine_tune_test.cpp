@@ -70,6 +70,11 @@ torch::Tensor loss_of(const torch::Tensor& y) { return y.pow(2).mean(); }
 
 enum class Verbs { run_block, by_hand };
 
+// Bytes: a block is its frozen weights, then its trainable parameters and their state.
+std::size_t aligned(const torch::Tensor& t) {
+  return layout::align_up(static_cast<std::size_t>(t.numel() * t.element_size()));
+}
+
 struct Trained {
   std::vector<torch::Tensor> losses;
   std::vector<torch::Tensor> parameters; // every parameter after the last step
@@ -111,21 +116,23 @@ torch::Tensor forward(ModelOffloader& offloader, Model& model, const Inputs& in,
   return x;
 }
 
-Options fine_tune_options(int64_t k, FusedOptimizer optimizer, int accumulation) {
+Options fine_tune_options(int64_t k, FusedOptimizer optimizer, int accumulation,
+                          StepOn step_on = StepOn::automatic) {
   Options o = options(k, true);
   o.optimizer = std::move(optimizer);
   o.gradient_accumulation_steps = accumulation;
+  o.step_on = step_on;
   return o;
 }
 
 Trained train_swapped(int64_t k, const FusedOptimizer& optimizer, int accumulation, Verbs verbs,
-                      Stats* stats = nullptr) {
+                      Stats* stats = nullptr, StepOn step_on = StepOn::automatic) {
   Model model = fine_tune_model();
   const auto batches = micro_batches(kSteps * accumulation);
   Trained out;
   {
     ModelOffloader offloader("blocks", model.modules(),
-                             fine_tune_options(k, optimizer, accumulation));
+                             fine_tune_options(k, optimizer, accumulation, step_on));
     for (int step = 0; step < kSteps; ++step) {
       if (step == 1) offloader.reset_stats(); // step 0 is the warm-up: prepare loads
       for (int m = 0; m < accumulation; ++m) {
@@ -180,6 +187,60 @@ TEST(FineTune, SgdWithMomentumIsBitwiseLibTorchsSgdForEveryK) {
                     "SGD " + name(k, accumulation, verbs));
       }
     }
+  }
+}
+
+// Note [host step]: the gradients go to host memory, the CPU steps the host copy; the same
+// bits as LibTorch's optimizers on the CPU.
+TEST(FineTune, TheStepOnTheHostIsBitwiseLibTorchsForEveryK) {
+  FusedAdamW adamw;
+  adamw.lr = 0.01;
+  adamw.weight_decay = 0.1;
+  FusedSGD sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  sgd.weight_decay = 0.01;
+  for (int accumulation : {1, 2}) {
+    const Trained adamw_expected = train_reference<torch::optim::AdamW>(
+        torch::optim::AdamWOptions(0.01).weight_decay(0.1), accumulation);
+    const Trained sgd_expected = train_reference<torch::optim::SGD>(
+        torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.01), accumulation);
+    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
+      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
+        expect_same(adamw_expected,
+                    train_swapped(k, adamw, accumulation, verbs, nullptr, StepOn::host),
+                    "host AdamW " + name(k, accumulation, verbs));
+        expect_same(sgd_expected, train_swapped(k, sgd, accumulation, verbs, nullptr, StepOn::host),
+                    "host SGD " + name(k, accumulation, verbs));
+      }
+    }
+  }
+}
+
+// The host step moves the gradients out, the 2K loads of blocks without their optimizer state,
+// and the weights of the blocks still on the device at the end of backward back in.
+TEST(FineTune, TheStepOnTheHostMovesGradientsOutAndWeightsIn) {
+  Model probe = fine_tune_model();
+  std::size_t frozen = 0, trainable_params = 0, raw_params = 0;
+  torch::Tensor last;
+  for (const auto& p : probe.blocks[0]->parameters()) {
+    (p.requires_grad() ? trainable_params : frozen) += aligned(p);
+    if (p.requires_grad()) {
+      last = p;
+      raw_params += p.numel() * p.element_size();
+    }
+  }
+  const std::size_t trainable_bytes =
+      trainable_params - (aligned(last) - last.numel() * last.element_size());
+  const std::size_t block_bytes = frozen + trainable_bytes;
+  for (int64_t k = 0; k <= kBlocks - 2; ++k) {
+    Stats stats;
+    train_swapped(k, FusedAdamW{}, 1, Verbs::run_block, &stats, StepOn::host);
+    const uint64_t steps = kSteps - 1;
+    EXPECT_EQ(stats.d2h_bytes, steps * kBlocks * raw_params) << "K=" << k;
+    EXPECT_EQ(stats.h2d_bytes, steps * (2 * k * block_bytes + (kBlocks - k) * trainable_bytes))
+        << "K=" << k;
+    EXPECT_EQ(stats.peak_device_bytes, (kBlocks - k) * layout::align_up(block_bytes)) << "K=" << k;
   }
 }
 
@@ -267,10 +328,6 @@ TEST(FineTune, ACallbackStepsEachParameterWithItsState) {
   for (const auto& [param, count] : seen) EXPECT_EQ(count, kSteps) << param;
 }
 
-// Bytes: a block is its frozen weights, then its trainable parameters and their state.
-std::size_t aligned(const torch::Tensor& t) {
-  return layout::align_up(static_cast<std::size_t>(t.numel() * t.element_size()));
-}
 
 TEST(FineTune, EachStepMovesTwoKLoadsAndWritesBackOnlyChangedBlocksTrainableBytes) {
   Model probe = fine_tune_model();
@@ -364,13 +421,14 @@ TEST(FineTune, ParametersReadTheirTrueValuesBetweenSteps) {
 // weights after that pass (a checkpoint, loading new weights) sees and keeps the latest values
 // (Note [host copy after a pass]).
 TEST(FineTune, WeightsReadAndWrittenAfterAnEvaluationPassAreTheLatest) {
-  for (int eval = 0; eval < 4; ++eval) {
+  for (int eval = 0; eval < 8; ++eval) {
+    const StepOn step_on = eval < 4 ? StepOn::device : StepOn::host;
     FusedSGD sgd;
     sgd.lr = 0.1;
     Model reference = fine_tune_model();
     torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.1));
     Model model = fine_tune_model();
-    ModelOffloader offloader("blocks", model.modules(), fine_tune_options(1, sgd, 1));
+    ModelOffloader offloader("blocks", model.modules(), fine_tune_options(1, sgd, 1, step_on));
     const auto batches = micro_batches(3);
     auto step = [&](const Inputs& in) {
       loss_of(reference.forward(in.x, in.context)).backward();
@@ -380,14 +438,14 @@ TEST(FineTune, WeightsReadAndWrittenAfterAnEvaluationPassAreTheLatest) {
     };
     step(batches[0]);
     const std::string what = "evaluation " + std::to_string(eval);
-    if (eval == 0) {
+    if (eval % 4 == 0) {
       c10::InferenceMode inference;
       forward(offloader, model, batches[1], Verbs::run_block);
-    } else if (eval == 1) {
+    } else if (eval % 4 == 1) {
       offloader.set_forward_only(true);
       torch::NoGradGuard no_grad;
       forward(offloader, model, batches[1], Verbs::run_block);
-    } else if (eval == 2) {
+    } else if (eval % 4 == 2) {
       torch::NoGradGuard no_grad; // a training-mode forward without a graph
       forward(offloader, model, batches[1], Verbs::by_hand);
     } else {
@@ -577,6 +635,48 @@ TEST(FineTune, ParametersMissingFromTheLastAccumulatingBackwardAreAnError) {
     })[0];
   }
   expect_error([&] { loss_of(x).backward(); }, "got gradients in earlier accumulating backwards");
+}
+
+// A copy failing during a step on the host (a gradient going out, a block coming in): every
+// parameter is wholly its old or its new value, and the error says which step failed.
+TEST(FineTune, AFailedCopyDuringTheHostStepLosesNoWeight) {
+  FusedSGD sgd;
+  sgd.lr = 0.5;
+  Model reference = fine_tune_model();
+  const auto old_values = all_parameters(reference);
+  torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.5));
+  const Inputs in;
+  loss_of(reference.forward(in.x, in.context)).backward();
+  optimizer.step();
+  const auto new_values = all_parameters(reference);
+  int named = 0;
+  for (std::size_t nth = 0; nth < 40; nth += 3) {
+    Model model = fine_tune_model();
+    auto emulated = std::make_shared<EmulatedDevice>();
+    Options o = fine_tune_options(2, sgd, 1, StepOn::host);
+    o.shared_device = std::make_shared<Device>(emulated);
+    o.device = c10::kCPU;
+    std::optional<std::string> error;
+    {
+      ModelOffloader offloader("blocks", model.modules(), o);
+      const torch::Tensor loss = loss_of(forward(offloader, model, in, Verbs::run_block));
+      emulated->fail_copy(nth, 64);
+      try {
+        loss.backward();
+        offloader.synchronize();
+      } catch (const Error& e) {
+        error = e.what();
+      }
+    }
+    if (!error) continue;
+    if (error->find("the step on the host failed for parameter") != std::string::npos) ++named;
+    const auto got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(torch::equal(got[i], old_values[i]) || torch::equal(got[i], new_values[i]))
+          << "copy " << nth << ": parameter " << i << " is a mix; " << *error;
+    }
+  }
+  EXPECT_GT(named, 0) << "no injected failure hit a gradient's copy";
 }
 
 // Note [atomic write-back]: a copy that fails while blocks are written back leaves every

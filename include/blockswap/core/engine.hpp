@@ -81,6 +81,9 @@ public:
   // engine.cpp): its trainable bytes are now at `trainable`, and the region they were in before
   // will be overwritten by the next write-back.
   virtual void on_written_back(int64_t /*block*/, const HostRegion& /*trainable*/) {}
+  // Block `block` is about to be loaded from its host copy (or its trainable bytes, by
+  // reload_trainable): return once that copy holds what should go to the device.
+  virtual void before_load(int64_t /*block*/) {}
 };
 
 // What the caller knows of a block's computation.
@@ -183,6 +186,18 @@ public:
   void synchronize();
   // Whether a block's write-back waits for synchronize() to reach its host copy.
   bool writing_back() const;
+
+  // The optimizer step on the host (Note [host step] in engine.cpp). copy_out copies `bytes` of
+  // device memory written by the computations enqueued so far (a gradient) into `host`, on the
+  // copy stream, and returns an event recorded after it; the caller keeps both memories alive
+  // until wait(event) returns. wait blocks the calling thread until the event, and may be
+  // called from another thread while the engine is in use. reload_trainable(i) loads block i's
+  // trainable bytes again from its host copy into its slot, after every computation that reads
+  // the slot, when block i is on the device (nothing otherwise); the next enter(i) waits for it.
+  std::shared_ptr<Event> copy_out(std::byte* host, const std::byte* device, std::size_t bytes,
+                                  int64_t tag);
+  void wait(const Event& event);
+  void reload_trainable(int64_t block);
 
   const Schedule& schedule() const;
   Stats stats() const;
