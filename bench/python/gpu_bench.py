@@ -4,7 +4,9 @@
 (b) the reference transformer through `blockswap run` for a sweep of K, inference and
     training, against the bound T* = max(T_noswap, h2d_bytes / B) of DESIGN.md section 6;
 (c) the same model driven by the seed's own algorithm (seed_offloader.py): T_seed / T_swap;
-(d) the schedule simulator's prediction of each step from the measured no-swap step and link.
+(d) the schedule simulator's prediction of each step from the measured no-swap step and link;
+(e) full fine-tuning (AdamW fused into backward) with the step on the device and on the host,
+    each against LibTorch's AdamW without swapping: which one `step_on=automatic` should be.
 
 Usage: python3 bench/python/gpu_bench.py --tool build-gpu/blockswap --out OUT_DIR
 """
@@ -46,15 +48,18 @@ def pinned_gbps(rows, size):
     return best["gbps"]
 
 
-def run_tool(tool, mode, k, model, link_gbps):
+def run_tool(tool, mode, k, model, link_gbps, extra=()):
     # --link-gbps: on CUDA only the simulator's prediction uses it (swapped.predicted_step_seconds).
     args = [tool, "run", "--device", "cuda", "--mode", mode, "--swap", str(k), "--json",
             "--link-gbps", f"{link_gbps:.3f}",
             "--blocks", str(model["blocks"]), "--hidden", str(model["hidden"]),
             "--heads", str(model["heads"]), "--tokens", str(model["tokens"]),
-            "--steps", str(model["steps"])]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout
-    return json.loads(out)
+            "--steps", str(model["steps"]), *extra]
+    # The tool exits 1 when the results differ; its JSON still says by how much.
+    proc = subprocess.run(args, capture_output=True, text=True)
+    if proc.returncode not in (0, 1) or not proc.stdout.strip():
+        raise RuntimeError(f"{' '.join(args)} failed ({proc.returncode}): {proc.stderr}")
+    return json.loads(proc.stdout)
 
 
 def run_seed(mode, k, model):
@@ -125,8 +130,27 @@ def main():
             sweep.append(row)
             print(json.dumps(row), flush=True)
 
+    # Full fine-tuning: where the fused step is faster. The block's bytes on the link count
+    # both ways (loads, and write-backs or gradients).
+    finetune = []
+    for k in (0, n // 2, n - 2):
+        for where in ("device", "host"):
+            ours = run_tool(args.tool, "finetune", k, model, block_gbps, ("--step-on", where))
+            t_noswap = ours["baseline"]["step_seconds"]
+            t_swap = ours["swapped"]["step_seconds"]
+            moved = ours["swapped"]["h2d_bytes"] + ours["swapped"]["d2h_bytes"]
+            row = {"step_on": where, "k": k, "t_noswap": t_noswap, "t_swap": t_swap,
+                   "swap_over_noswap": t_swap / t_noswap,
+                   "swap_over_bound": t_swap / max(t_noswap, moved / (block_gbps * 1e9)),
+                   "h2d_bytes": ours["swapped"]["h2d_bytes"],
+                   "d2h_bytes": ours["swapped"]["d2h_bytes"],
+                   "peak_device_bytes": ours["swapped"]["peak_device_bytes"],
+                   "max_abs_diff": ours["max_abs_diff"]}
+            finetune.append(row)
+            print(json.dumps(row), flush=True)
+
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "model": model, "bandwidth": link, "sweep": sweep}
+              "model": model, "bandwidth": link, "sweep": sweep, "finetune": finetune}
     with open(os.path.join(args.out, "gpu-bench.json"), "w") as f:
         json.dump(result, f, indent=2)
     print("\nbandwidth (GB/s):")
@@ -138,6 +162,10 @@ def main():
         predicted_text = f"{predicted:16.3f}" if predicted is not None else f"{'-':>16}"
         print(f"{r['mode']:<6}{r['k']:>3}  {r['swap_over_bound']:9.3f}  {r['swap_over_noswap']:15.3f}"
               f"  {r['seed_over_swap']:13.3f}  {predicted_text}  {r['max_abs_diff']}")
+    print("\nfine-tuning  K  step on  T_swap/T_noswap  T_swap/T*  max_abs_diff")
+    for r in finetune:
+        print(f"{'':<11}{r['k']:>3}  {r['step_on']:<7}  {r['swap_over_noswap']:15.3f}"
+              f"  {r['swap_over_bound']:9.3f}  {r['max_abs_diff']}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ struct FusedAdamW {
   double weight_decay = 1e-2; // decoupled: p *= 1 - lr * weight_decay
 };
 // One parameter's step, for a callback (FusedCustom). `param` and `state` are views of the
-// block's memory on the device: change them in place (under no grad, which is on). `state`
+// block's memory on the device (StepOn::host: of its host copy, on the step's own thread, one
+// parameter at a time): change them in place (under no grad, which is on). `state`
 // holds FusedCustom::state_tensors tensors shaped like the parameter, zeros before the first
 // step; `step` counts this parameter's steps, this one included (1 on the first).
 struct ParamStep {
@@ -103,7 +104,8 @@ using FusedOptimizer = std::variant<std::monostate, FusedSGD, FusedAdamW, FusedC
 // host memory on the copy stream, the CPU steps the block's host copy (the optimizer state
 // stays there and never moves) while the device goes on, and the new weights are loaded next
 // time (a block still on the device at the end of backward is reloaded then). automatic: the
-// one measured faster for the device (docs/performance.md, "Full fine-tuning"): device.
+// one measured faster for the device (docs/performance.md, "Full fine-tuning"): host on the
+// emulated device (a CPU), device on a GPU.
 enum class StepOn { automatic, device, host };
 
 // The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
@@ -247,6 +249,9 @@ public:
   // New hyper-parameters for the steps from now on (a schedule of betas or momentum): the same
   // kind of optimizer with the same state (SGD's momentum cannot start or stop being 0).
   void set_optimizer(const FusedOptimizer& optimizer);
+  // Where the steps run: Options::step_on, with automatic resolved (device or host; device
+  // when there is no optimizer).
+  StepOn step_on() const;
   // Block i's optimizer state, by name ("<parameter>.exp_avg", ".exp_avg_sq" for AdamW,
   // ".momentum_buffer" for SGD, ".state<j>" for a callback, ".grad_sum" while gradients are
   // being accumulated): tensors that read their true values wherever the block is, and that

@@ -274,11 +274,12 @@ class ModelOffloader:
     (a step every n-th backward, the gradients summed in the blocks' memory) and
     ``max_grad_norm_per_parameter`` (clipping each parameter's gradient alone), ``step_on``
     (``"device"``: the optimizer state swaps with the blocks; ``"host"``: gradients go to host
-    memory and the CPU steps there; ``"auto"``: the faster one measured, the device).
+    memory and the CPU steps there; ``"auto"``: the faster one measured, the host on the
+    emulated device ``'cpu'``, the device on a GPU).
     docs/guide.md, "Fine-tuning".
 
-    With no blocks or ``blocks_to_swap=0`` it does nothing, like the seed: it allocates
-    nothing, registers nothing and every verb returns at once.
+    With no blocks, or ``blocks_to_swap=0`` and no optimizer, it does nothing, like the seed:
+    it allocates nothing, registers nothing and every verb returns at once.
     """
 
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
@@ -474,6 +475,11 @@ class ModelOffloader:
         if self._impl is None:
             return {}
         return dict(self._impl.optimizer_steps(block_idx))
+
+    @property
+    def step_on(self):
+        """Where the fused steps run, ``"device"`` or ``"host"`` (``"auto"`` resolved)."""
+        return "device" if self._impl is None else self._impl.step_on()
 
     def set_optimizer_steps(self, block_idx, parameter, steps):
         """Restores the step count of block i's parameter (AdamW's bias correction)."""

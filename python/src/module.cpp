@@ -181,6 +181,10 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("optimizer_state", [](Offloader& o, int64_t i) { return o.get().optimizer_state(i); })
       .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
+      .def("step_on",
+           [](Offloader& o) {
+             return std::string(o.get().step_on() == StepOn::host ? "host" : "device");
+           })
       .def("set_optimizer_steps",
            [](Offloader& o, int64_t i, const std::string& name, int64_t steps) {
              o.get().set_optimizer_steps(i, name, steps);

@@ -72,6 +72,7 @@ def test_fused_steps_equal_torch_optim_for_every_k(kind, accumulation, step_on):
         with blockswap.ModelOffloader("blocks", blocks, N, k, True, torch.device("cpu"), False,
                                       optimizer=optimizer, step_on=step_on,
                                       gradient_accumulation_steps=accumulation) as offloader:
+            assert offloader.step_on == step_on
             got = train(blocks, optimizer, accumulation, offloader)
             for p in trainable(blocks):
                 assert p.grad is None  # the gradients live in the step, not in .grad
@@ -93,6 +94,7 @@ def test_a_learning_rate_scheduler_drives_the_fused_step():
                                   optimizer=optimizer) as offloader:
         got = train(blocks, optimizer, 1, offloader,
                     scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5))
+        assert offloader.step_on == "host"  # "auto" on the emulated device
     assert_same(expected, got, "StepLR")
 
 

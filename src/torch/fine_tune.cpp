@@ -13,9 +13,7 @@
 namespace blockswap::torch_frontend {
 namespace {
 
-template <class... Fs> struct Overloaded : Fs... {
-  using Fs::operator()...;
-};
+template <class... Fs> struct Overloaded : Fs... { using Fs::operator()...; };
 template <class... Fs> Overloaded(Fs...) -> Overloaded<Fs...>;
 
 // Note [the steps]
@@ -57,31 +55,35 @@ void adamw(const FusedAdamW& o, const ParamStep& a) {
 void clip(const at::Tensor& grad, double max_norm, bool as_python) {
   const at::Tensor norm = grad.norm(2);
   // Python divides a float by a tensor as the tensor's reciprocal times the float.
-  const at::Tensor coefficient =
-      as_python ? (at::stack({norm}).norm(2) + 1e-6).reciprocal() * max_norm
-                : max_norm / (norm + 1e-6);
+  const at::Tensor coefficient = as_python
+                                     ? (at::stack({norm}).norm(2) + 1e-6).reciprocal() * max_norm
+                                     : max_norm / (norm + 1e-6);
   grad.mul_(at::clamp(coefficient, c10::nullopt, 1.0));
 }
 
 std::vector<std::string> state_names(const FusedOptimizer& optimizer) {
-  return std::visit(
-      Overloaded{[](std::monostate) { return std::vector<std::string>{}; },
-                 [](const FusedSGD& o) {
-                   return o.momentum != 0 ? std::vector<std::string>{"momentum_buffer"}
-                                          : std::vector<std::string>{};
-                 },
-                 [](const FusedAdamW&) { return std::vector<std::string>{"exp_avg", "exp_avg_sq"}; },
-                 [](const FusedCustom& o) {
-                   std::vector<std::string> names;
-                   for (int64_t i = 0; i < o.state_tensors; ++i) {
-                     names.push_back(detail::concat("state", i));
-                   }
-                   return names;
-                 }},
-      optimizer);
+  return std::visit(Overloaded{[](std::monostate) { return std::vector<std::string>{}; },
+                               [](const FusedSGD& o) {
+                                 return o.momentum != 0
+                                            ? std::vector<std::string>{"momentum_buffer"}
+                                            : std::vector<std::string>{};
+                               },
+                               [](const FusedAdamW&) {
+                                 return std::vector<std::string>{"exp_avg", "exp_avg_sq"};
+                               },
+                               [](const FusedCustom& o) {
+                                 std::vector<std::string> names;
+                                 for (int64_t i = 0; i < o.state_tensors; ++i) {
+                                   names.push_back(detail::concat("state", i));
+                                 }
+                                 return names;
+                               }},
+                    optimizer);
 }
 
-bool finite_at_least(double value, double least) { return std::isfinite(value) && value >= least; }
+bool finite_at_least(double value, double least) {
+  return std::isfinite(value) && value >= least;
+}
 
 void check(const std::string& label, const FusedOptimizer& optimizer) {
   const std::string where = detail::concat("[", label, "] Options::optimizer: ");
@@ -93,8 +95,9 @@ void check(const std::string& label, const FusedOptimizer& optimizer) {
                             " must be finite and >= 0");
             BLOCKSWAP_CHECK(finite_at_least(o.momentum, 0) && finite_at_least(o.dampening, 0) &&
                                 finite_at_least(o.weight_decay, 0),
-                            where, "SGD's momentum, dampening and weight_decay must be finite and "
-                                   ">= 0");
+                            where,
+                            "SGD's momentum, dampening and weight_decay must be finite and "
+                            ">= 0");
             BLOCKSWAP_CHECK(!o.nesterov || (o.momentum > 0 && o.dampening == 0), where,
                             "Nesterov momentum needs momentum > 0 and dampening 0");
           },
@@ -105,14 +108,13 @@ void check(const std::string& label, const FusedOptimizer& optimizer) {
                                 finite_at_least(o.beta2, 0) && o.beta2 < 1,
                             where, "AdamW's betas (", o.beta1, ", ", o.beta2,
                             ") must be in [0, 1)");
-            BLOCKSWAP_CHECK(finite_at_least(o.eps, 0) && finite_at_least(o.weight_decay, 0),
-                            where, "AdamW's eps and weight_decay must be finite and >= 0");
+            BLOCKSWAP_CHECK(finite_at_least(o.eps, 0) && finite_at_least(o.weight_decay, 0), where,
+                            "AdamW's eps and weight_decay must be finite and >= 0");
           },
           [&](const FusedCustom& o) {
             BLOCKSWAP_CHECK(static_cast<bool>(o.step), where, "FusedCustom needs a step function");
             BLOCKSWAP_CHECK(o.state_tensors >= 0 && o.state_tensors <= 64, where,
-                            "FusedCustom::state_tensors ", o.state_tensors,
-                            " must be in [0, 64]");
+                            "FusedCustom::state_tensors ", o.state_tensors, " must be in [0, 64]");
           }},
       optimizer);
 }
@@ -126,12 +128,18 @@ void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args) {
              optimizer);
 }
 
-FineTuner::FineTuner(const Options& options, std::string label)
+FineTuner::FineTuner(const Options& options, std::string label, c10::Device device)
     : enabled_(!std::holds_alternative<std::monostate>(options.optimizer)),
       optimizer_(options.optimizer), accumulation_(options.gradient_accumulation_steps),
       max_norm_(options.max_grad_norm_per_parameter), clip_as_python_(options.clip_as_python),
       label_(std::move(label)) {
-  on_host_ = enabled_ && options.step_on == StepOn::host;
+  // automatic: the faster one measured (docs/performance.md, "Full fine-tuning"): on the
+  // emulated device the host, whose step runs beside the compute thread; on a GPU the device,
+  // whose step runs at the device's memory bandwidth instead of the CPU's.
+  const StepOn where = options.step_on != StepOn::automatic ? options.step_on
+                       : device.is_cpu()                    ? StepOn::host
+                                                            : StepOn::device;
+  on_host_ = enabled_ && where == StepOn::host;
   check(label_, optimizer_);
   BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
                   accumulation_, "; it must be at least 1");
@@ -155,7 +163,9 @@ PackingRules FineTuner::packing() const {
   return PackingRules{true, state_names(optimizer_), accumulation_ > 1};
 }
 
-FineTuner::~FineTuner() { stop(); }
+FineTuner::~FineTuner() {
+  stop();
+}
 
 void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder,
                        Engine& engine, bool pinned) {
@@ -184,7 +194,8 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
       const auto options = at::TensorOptions().dtype(t.dtype).pinned_memory(pinned);
       HostParam host{at::empty(t.sizes, options), at::Tensor(), {}};
       if (accumulation_ > 1) host.grad_sum = at::zeros(t.sizes, options);
-      for (std::size_t i = 0; i < names.size(); ++i) host.state.push_back(at::zeros(t.sizes, options));
+      for (std::size_t i = 0; i < names.size(); ++i)
+        host.state.push_back(at::zeros(t.sizes, options));
       host_[b].push_back(std::move(host));
     }
   }
@@ -310,8 +321,9 @@ void FineTuner::work() {
            binder_->host_copy(task.block, where.tensor), host.state);
     } catch (const std::exception& e) {
       const auto& layout = binder_->layouts()[task.block];
-      failure = detail::concat("parameter '", layout.tensors[layout.trainable[task.param].tensor].name,
-                               "' of block ", task.block, ": ", e.what());
+      failure =
+          detail::concat("parameter '", layout.tensors[layout.trainable[task.param].tensor].name,
+                         "' of block ", task.block, ": ", e.what());
     }
     task.device_grad = at::Tensor();
     lock.lock();
@@ -324,7 +336,10 @@ void FineTuner::work() {
 void FineTuner::drain() {
   if (!on_host_) return;
   std::unique_lock lock(mutex_);
-  changed_.wait(lock, [&] { return tasks_.empty() && std::all_of(in_flight_.begin(), in_flight_.end(), [](int64_t n) { return n == 0; }); });
+  changed_.wait(lock, [&] {
+    return tasks_.empty() &&
+           std::all_of(in_flight_.begin(), in_flight_.end(), [](int64_t n) { return n == 0; });
+  });
 }
 
 void FineTuner::wait_for_block(int64_t block) {
@@ -354,7 +369,8 @@ void FineTuner::backward_done() {
       if (!host_stepped_[b]) continue;
       host_stepped_[b] = false;
       for (const TrainableParam& param : binder_->layouts()[b].trainable) {
-        torch::autograd::impl::bump_version(binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
+        torch::autograd::impl::bump_version(
+            binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
         binder_->written_by_blockswap(static_cast<int64_t>(b), param.tensor);
       }
       engine_->reload_trainable(static_cast<int64_t>(b));
@@ -395,8 +411,9 @@ void FineTuner::pass_starts() {
 }
 
 void FineTuner::set_learning_rate(double lr) {
-  BLOCKSWAP_CHECK(enabled_, "[", label_, "] set_learning_rate: this offloader has no optimizer "
-                            "(Options::optimizer)");
+  BLOCKSWAP_CHECK(enabled_, "[", label_,
+                  "] set_learning_rate: this offloader has no optimizer "
+                  "(Options::optimizer)");
   BLOCKSWAP_CHECK(std::isfinite(lr) && lr >= 0, "[", label_, "] learning rate ", lr,
                   " must be finite and >= 0");
   std::visit(Overloaded{[](std::monostate) {}, [&](FusedSGD& o) { o.lr = lr; },
@@ -410,13 +427,16 @@ void FineTuner::set_learning_rate(double lr) {
 }
 
 void FineTuner::set_optimizer(const FusedOptimizer& optimizer) {
-  BLOCKSWAP_CHECK(enabled_, "[", label_, "] set_optimizer: this offloader has no optimizer "
-                            "(Options::optimizer); it is chosen when the offloader is built");
+  BLOCKSWAP_CHECK(enabled_, "[", label_,
+                  "] set_optimizer: this offloader has no optimizer "
+                  "(Options::optimizer); it is chosen when the offloader is built");
   check(label_, optimizer);
   BLOCKSWAP_CHECK(optimizer.index() == optimizer_.index() &&
                       state_names(optimizer) == state_names(optimizer_),
-                  "[", label_, "] set_optimizer: the new optimizer must be the same kind as the "
-                  "offloader's, with the same state (", state_names(optimizer_).size(),
+                  "[", label_,
+                  "] set_optimizer: the new optimizer must be the same kind as the "
+                  "offloader's, with the same state (",
+                  state_names(optimizer_).size(),
                   " tensor(s) per parameter; SGD's momentum cannot start or stop being 0)");
   optimizer_ = optimizer;
 }

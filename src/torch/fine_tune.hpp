@@ -7,12 +7,12 @@
 
 #include <condition_variable>
 #include <cstddef>
-#include <deque>
-#include <mutex>
-#include <thread>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -31,7 +31,8 @@ class FineTuner {
 public:
   // Validates the options (an optimizer needs supports_backward; hyper-parameters in range);
   // throws Error naming what is wrong.
-  FineTuner(const Options& options, std::string label);
+  // `device` is the compute device, which resolves StepOn::automatic.
+  FineTuner(const Options& options, std::string label, c10::Device device);
   ~FineTuner();
   FineTuner(const FineTuner&) = delete;
   FineTuner& operator=(const FineTuner&) = delete;
@@ -90,8 +91,8 @@ private:
   void step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum, bool final,
             const at::Tensor& variable, const std::vector<at::Tensor>& state);
   void host_gradient(int64_t block, std::size_t param, const at::Tensor& grad, bool final);
-  void work();                  // the worker thread
-  void drain();                 // until no host step is in flight
+  void work();  // the worker thread
+  void drain(); // until no host step is in flight
   void wait_for_block(int64_t block);
 
   bool enabled_ = false;
@@ -105,8 +106,8 @@ private:
   Engine* engine_ = nullptr;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::vector<Param>> params_;
-  std::vector<int64_t> backwards_;  // backwards through each block since its last step
-  std::vector<bool> in_backward_;   // counted in the backward now running
+  std::vector<int64_t> backwards_; // backwards through each block since its last step
+  std::vector<bool> in_backward_;  // counted in the backward now running
   bool end_queued_ = false;
 
   std::vector<std::vector<HostParam>> host_;

@@ -106,8 +106,8 @@ class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<TensorBlock> blocks, Options options)
       : options_(std::move(options)), label_(std::move(block_type)),
-        fine_tuner_(options_, label_), device_(device_for(label_, options_)),
-        torch_device_(torch_device(*device_)), blocks_(std::move(blocks)),
+        device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
+        fine_tuner_(options_, label_, torch_device_), blocks_(std::move(blocks)),
         binder_(checked_layouts(label_, blocks_, torch_device_, fine_tuner_.packing()),
                 torch_device_, options_.strict_residency) {
     EngineOptions engine_options = options_;
@@ -302,10 +302,10 @@ private:
 
   Options options_;
   std::string label_;
-  torch_frontend::FineTuner fine_tuner_;
   std::weak_ptr<Impl> self_;
   std::shared_ptr<Device> device_;
   c10::Device torch_device_;
+  torch_frontend::FineTuner fine_tuner_;
   std::vector<TensorBlock> blocks_;
   BlockBinder binder_;
   int64_t blocks_to_swap_ = 0;
@@ -455,6 +455,10 @@ void ModelOffloader::set_learning_rate(double lr) {
 
 void ModelOffloader::set_optimizer(const FusedOptimizer& optimizer) {
   impl_->fine_tuner().set_optimizer(optimizer);
+}
+
+StepOn ModelOffloader::step_on() const {
+  return impl_->fine_tuner().on_host() ? StepOn::host : StepOn::device;
 }
 
 std::vector<std::pair<std::string, at::Tensor>>

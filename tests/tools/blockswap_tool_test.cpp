@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <string>
 #include <tuple>
@@ -394,7 +395,8 @@ TEST(Run, DefaultTrainingIsExact) {
 // last step equal those of LibTorch's AdamW without swapping, and changed blocks go back.
 TEST(Run, FineTuneIsExactAndWritesChangedBlocksBack) {
   const Result r = run_tool(
-      "run --mode finetune --blocks 6 --swap 2 --hidden 64 --heads 2 --tokens 16 --steps 3 --json");
+      "run --mode finetune --step-on device --blocks 6 --swap 2 --hidden 64 --heads 2 --tokens 16 "
+      "--steps 3 --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const json out = json::parse(r.out);
   EXPECT_EQ(out["mode"], "finetune");
@@ -530,6 +532,35 @@ TEST(Arguments, SwapOutOfRangeNamesTheRange) {
   const Result ok = run_tool("run --mode train --swap 2 --json" + kSmall);
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
   EXPECT_EQ(json::parse(ok.out)["blocks_to_swap"], 2);
+}
+
+// The step on the host: as exact; the optimizer's state never moves, so fewer bytes load and
+// the device holds less than with the step on the device.
+TEST(Run, FineTuneWithTheStepOnTheHostIsExactAndMovesNoState) {
+  const std::string common =
+      "run --mode finetune --blocks 6 --swap 2 --hidden 64 --heads 2 --tokens 16 --steps 3 --json";
+  const Result host = run_tool(common + " --step-on host");
+  const Result device = run_tool(common + " --step-on device");
+  ASSERT_EQ(host.exit_code, 0) << host.err;
+  ASSERT_EQ(device.exit_code, 0) << device.err;
+  const json h = json::parse(host.out), d = json::parse(device.out);
+  EXPECT_EQ(h["max_abs_diff"].get<double>(), 0.0);
+  EXPECT_EQ(d["max_abs_diff"].get<double>(), 0.0);
+  // Device: 2K loads of weights and two moments. Host: 2K loads of weights, and the N - K
+  // resident blocks' new weights once per step; gradients of all N blocks go out.
+  EXPECT_LT(h["swapped"]["h2d_bytes"].get<uint64_t>(), d["swapped"]["h2d_bytes"].get<uint64_t>());
+  EXPECT_GT(h["swapped"]["d2h_bytes"].get<uint64_t>(), 0u);
+  EXPECT_LT(h["swapped"]["peak_device_bytes"].get<uint64_t>(),
+            d["swapped"]["peak_device_bytes"].get<uint64_t>());
+  const Result table = run_tool("run --mode finetune --step-on host --blocks 4 --hidden 64 "
+                                "--heads 2 --tokens 16");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("fused step on the host"), std::string::npos) << table.out;
+  EXPECT_NE(table.out.find("(identical)"), std::string::npos) << table.out;
+  expect_one_line_error(run_tool("run --mode finetune --step-on moon"),
+                        {"--step-on must be auto, device or host, got 'moon'"}, "step-on");
+  expect_one_line_error(run_tool("run --mode train --step-on host"),
+                        {"--step-on applies to --mode finetune only"}, "step-on without finetune");
 }
 
 // Defect 6: the default K (half the blocks) is clamped to what the mode allows.
@@ -793,6 +824,40 @@ TEST(Bench, TimedDeviceQuickMeetsTheTargets) {
     EXPECT_LE(t["train_max_swap_over_bound"].get<double>(), 1.02) << model;
     EXPECT_LT(t["max_prediction_error"].get<double>(), 0.02) << model;
   }
+}
+
+// The emulated sweep, small: every mode over its whole range of K, the device's peak as the
+// plan says in every row, and the fine-tuning rows' bytes: with the step on the host the
+// optimizer's state never loads, and the gradients of all N blocks go out at every K.
+TEST(Bench, EmulatedSweepHasEveryModeAndTheBytesOfEach) {
+  const Result r =
+      run_tool("bench --device emulated --blocks 4 --hidden 64 --tokens 16 --steps 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  std::map<std::string, std::map<int64_t, json>> rows;
+  for (const json& row : out["rows"]) {
+    EXPECT_EQ(row["device"], "emulated");
+    EXPECT_EQ(row["peak_device_bytes"], row["planned_device_bytes"]) << row;
+    rows[row["mode"].get<std::string>()][row["k"].get<int64_t>()] = row;
+  }
+  ASSERT_EQ(rows.size(), 4u);
+  EXPECT_EQ(rows["infer"].size(), 4u); // K = 0..N-1
+  for (const char* mode : {"train", "finetune", "finetune-host"}) {
+    EXPECT_EQ(rows[mode].size(), 3u) << mode; // K = 0..N-2
+  }
+  const uint64_t gradients = rows["finetune-host"][0]["d2h_bytes"].get<uint64_t>();
+  EXPECT_GT(gradients, 0u);
+  EXPECT_EQ(rows["finetune"][0]["d2h_bytes"], 0); // nothing swaps, nothing goes back
+  for (int64_t k = 1; k <= 2; ++k) {
+    const json& host = rows["finetune-host"][k];
+    const json& device = rows["finetune"][k];
+    EXPECT_EQ(host["d2h_bytes"].get<uint64_t>(), gradients) << k;
+    EXPECT_LT(host["h2d_bytes"].get<uint64_t>(), device["h2d_bytes"].get<uint64_t>()) << k;
+    EXPECT_LT(host["peak_device_bytes"].get<uint64_t>(), device["peak_device_bytes"].get<uint64_t>())
+        << k;
+  }
+  EXPECT_TRUE(out["emulated"]["targets"]["peak_device_bytes_as_planned"].get<bool>());
+  EXPECT_GT(out["emulated"]["targets"]["finetune_host_over_device_median"].get<double>(), 0.0);
 }
 
 } // namespace

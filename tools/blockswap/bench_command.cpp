@@ -78,10 +78,11 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
 
 void write_plot(const std::string& path, const std::vector<Row>& rows, const std::string& title) {
   std::vector<PlotPanel> panels;
-  for (const std::string mode : {"infer", "train", "finetune"}) {
-    PlotPanel panel{mode == "infer"   ? "inference (per pass)"
-                    : mode == "train" ? "LoRA training (per step)"
-                                      : "full fine-tuning, AdamW (per step)",
+  for (const std::string mode : {"infer", "train", "finetune", "finetune-host"}) {
+    PlotPanel panel{mode == "infer"      ? "inference (per pass)"
+                    : mode == "train"    ? "LoRA training (per step)"
+                    : mode == "finetune" ? "full fine-tuning, AdamW on the device (per step)"
+                                         : "full fine-tuning, AdamW on the host (per step)",
                     {}};
     PlotSeries noswap{"no swap", "#888888", {}, {}}, swap{"blockswap", "#1f77b4", {}, {}},
         seed{"seed schedule", "#d62728", {}, {}}, bound{"bound T*", "#2ca02c", {}, {}, true};
@@ -209,20 +210,24 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
   ReferenceTransformer ft_plain(finetune_config), ft_swapped(finetune_config),
       ft_seeded(finetune_config);
   for (ReferenceTransformer* m : {&ft_plain, &ft_swapped, &ft_seeded}) make_trainable(*m);
-  std::vector<std::size_t> ft_packed;
-  {
+  // With the step on the host, the packed blocks hold the weights only.
+  std::vector<std::size_t> ft_packed, ft_host_packed;
+  for (const StepOn where : {StepOn::device, StepOn::host}) {
     Options probe_options;
     probe_options.supports_backward = true;
     probe_options.optimizer = finetune_adamw();
+    probe_options.step_on = where;
     const ModelOffloader probe("blocks", ft_swapped.modules(), probe_options);
-    ft_packed.assign(n, probe.stats().device_bytes / uint64_t(n));
+    (where == StepOn::host ? ft_host_packed : ft_packed)
+        .assign(n, probe.stats().device_bytes / uint64_t(n));
   }
 
   std::vector<Row> rows;
   Progress progress;
-  const int total = int(3 * n - 2);
-  for (const std::string mode : {"infer", "train", "finetune"}) {
-    const Work work = work_of(mode);
+  const int total = int(4 * n - 3);
+  for (const std::string mode : {"infer", "train", "finetune", "finetune-host"}) {
+    const bool on_host = mode == "finetune-host";
+    const Work work = on_host ? Work::finetune : work_of(mode);
     const bool train = work != Work::infer;
     const Mode m = train ? Mode::training : Mode::forward_only;
     const bool finetune = work == Work::finetune;
@@ -237,6 +242,7 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
       options.supports_backward = train;
       options.emulated_link_gbps = args.link_gbps;
       if (finetune) options.optimizer = finetune_adamw();
+      options.step_on = on_host ? StepOn::host : StepOn::device;
       Row row;
       row.device = "emulated";
       row.model = "reference";
@@ -267,8 +273,10 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
       row.d2h_bytes = stats.d2h_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
-      row.planned_device_bytes = layout::slot_device_bytes(finetune ? ft_packed : packed, k);
-      // The link carries the loads and, fine-tuning, the write-backs of changed blocks.
+      row.planned_device_bytes =
+          layout::slot_device_bytes(on_host ? ft_host_packed : finetune ? ft_packed : packed, k);
+      // The link carries the loads and, fine-tuning, the write-backs of changed blocks (or,
+      // with the step on the host, the gradients).
       row.t_bound =
           std::max(row.t_noswap, double(row.h2d_bytes + row.d2h_bytes) / (gbps * 1e9));
       rows.push_back(row);
@@ -278,11 +286,24 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
 
   // The targets of the emulated sweep, evaluated on this run.
   double worst_bound = 0, worst_seed = 1e9, finetune_bound = 0, finetune_noswap = 0;
+  double host_bound = 0, host_noswap = 0;
+  // Where the fused step is faster: for each K, the host's t_swap/t_noswap over the device's
+  // (each against the no-swap steps measured beside it, so machine drift between the two
+  // sweeps cancels).
+  std::vector<double> host_over_device;
   bool peaks_exact = true;
   for (const Row& r : rows) {
     if (r.mode == "finetune") {
       finetune_bound = std::max(finetune_bound, r.t_swap / r.t_bound);
       finetune_noswap = std::max(finetune_noswap, r.t_swap / r.t_noswap);
+      for (const Row& h : rows) {
+        if (h.mode == "finetune-host" && h.k == r.k) {
+          host_over_device.push_back((h.t_swap / h.t_noswap) / (r.t_swap / r.t_noswap));
+        }
+      }
+    } else if (r.mode == "finetune-host") {
+      host_bound = std::max(host_bound, r.t_swap / r.t_bound);
+      host_noswap = std::max(host_noswap, r.t_swap / r.t_noswap);
     } else {
       worst_bound = std::max(worst_bound, r.t_swap / r.t_bound);
     }
@@ -306,16 +327,19 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
             {"min_seed_over_swap_infer_k_ge_n_over_4", worst_seed},
             {"finetune_max_swap_over_bound", finetune_bound},
             {"finetune_max_swap_over_noswap", finetune_noswap},
+            {"finetune_host_max_swap_over_bound", host_bound},
+            {"finetune_host_max_swap_over_noswap", host_noswap},
+            {"finetune_host_over_device_median", median(host_over_device)},
             {"peak_device_bytes_as_planned", peaks_exact}}}};
   if (args.json) return rows;
   std::printf("Emulated device (real compute on this CPU, real copies): %s\nachieved link %.1f "
               "GB/s; per block: copy %.2f ms, forward %.2f ms; median of %d steps\n\n",
               title.c_str(), gbps, copy_seconds * 1e3, compute_seconds * 1e3, steps);
-  std::printf("%-8s %3s %10s %10s %10s %10s %9s %9s %11s %12s %12s\n", "mode", "K", "noswap",
+  std::printf("%-13s %3s %10s %10s %10s %10s %9s %9s %11s %12s %12s\n", "mode", "K", "noswap",
               "blockswap", "seed", "bound T*", "swap/T*", "seed/swap", "swap/noswap", "h2d/step",
               "d2h/step");
   for (const Row& r : rows) {
-    std::printf("%-8s %3lld %10s %10s %10s %10s %9.3f %9.2f %11.3f %12s %12s\n", r.mode.c_str(),
+    std::printf("%-13s %3lld %10s %10s %10s %10s %9.3f %9.2f %11.3f %12s %12s\n", r.mode.c_str(),
                 static_cast<long long>(r.k), milliseconds(r.t_noswap).c_str(),
                 milliseconds(r.t_swap).c_str(), milliseconds(r.t_seed).c_str(),
                 milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap,
@@ -328,6 +352,10 @@ std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
   std::printf("fine-tuning (T* counts the loads and the write-backs on the one link): max "
               "T_swap/T* = %.3f, max T_swap/T_noswap = %.3f\n",
               finetune_bound, finetune_noswap);
+  std::printf("fine-tuning with the step on the host: max T_swap/T* = %.3f, max "
+              "T_swap/T_noswap = %.3f; the host's step time over the device's (each against "
+              "its no-swap steps), median over K = %.3f\n",
+              host_bound, host_noswap, median(host_over_device));
   return rows;
 }
 

@@ -44,6 +44,12 @@ int main(int argc, char** argv) {
                    "of --lora-rank are added) or finetune (every block weight trains, AdamW "
                    "fused into backward)")
       ->capture_default_str();
+  run_cmd
+      ->add_option("--step-on", run.step_on,
+                   "finetune: where the fused AdamW step runs, device (the optimizer state "
+                   "swaps with its block), host (gradients copied out, the CPU steps the host "
+                   "copy) or auto (the faster measured: host on the emulated device, device on a GPU)")
+      ->capture_default_str();
   run_cmd->add_option("--blocks", run.blocks, "number of transformer blocks")
       ->check(integer_in<int64_t>(1, 4096))
       ->capture_default_str();

@@ -100,6 +100,9 @@ int run_command(const RunArgs& args) {
   BLOCKSWAP_CHECK(args.steps >= 1, "--steps must be at least 1, got ", args.steps);
   BLOCKSWAP_CHECK(args.tokens >= 1, "--tokens must be at least 1, got ", args.tokens);
   BLOCKSWAP_CHECK(args.threads >= 1, "--threads must be at least 1, got ", args.threads);
+  const StepOn step_on = step_on_of(args.step_on);
+  BLOCKSWAP_CHECK(work == Work::finetune || step_on == StepOn::automatic,
+                  "--step-on applies to --mode finetune only");
   const bool train = work != Work::infer;
   const Mode mode = train ? Mode::training : Mode::forward_only;
   if (args.weights.empty()) {
@@ -134,6 +137,7 @@ int run_command(const RunArgs& args) {
   options.blocks_to_swap = k;
   options.supports_backward = train;
   if (work == Work::finetune) options.optimizer = finetune_adamw();
+  options.step_on = step_on;
   options.device = device;
   options.emulated_link_gbps = args.link_gbps;
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
@@ -198,9 +202,10 @@ int run_command(const RunArgs& args) {
         format_bytes(baseline_peak / uint64_t(config.blocks)).c_str(),
         work == Work::finetune ? " (weights and AdamW's moments)" : "",
         static_cast<long long>(config.hidden), static_cast<long long>(args.tokens),
-        work == Work::finetune ? "full fine-tuning (AdamW, fused step)"
-        : train                ? "LoRA training"
-                               : "inference");
+        work != Work::finetune ? (train ? "LoRA training" : "inference")
+        : offloader.step_on() == StepOn::host
+            ? "full fine-tuning (AdamW, fused step on the host)"
+            : "full fine-tuning (AdamW, fused step on the device)");
     std::printf("device: %s; %lld of %lld blocks swapped; %d measured steps\n\n",
                 device_text.c_str(), static_cast<long long>(offloader.blocks_to_swap()),
                 static_cast<long long>(config.blocks), args.steps);

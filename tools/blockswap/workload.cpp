@@ -28,6 +28,13 @@ Work work_of(const std::string& mode) {
   return Work::finetune;
 }
 
+StepOn step_on_of(const std::string& where) {
+  if (where == "auto") return StepOn::automatic;
+  if (where == "device") return StepOn::device;
+  BLOCKSWAP_CHECK(where == "host", "--step-on must be auto, device or host, got '", where, "'");
+  return StepOn::host;
+}
+
 FusedAdamW finetune_adamw() {
   FusedAdamW adamw;
   adamw.lr = 1e-4;

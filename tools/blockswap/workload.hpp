@@ -26,6 +26,8 @@ enum class Work { infer, train, finetune };
 
 // Work from --mode: "infer", "train", "finetune".
 Work work_of(const std::string& mode);
+// Where the fused step runs, from --step-on: "auto", "device", "host".
+StepOn step_on_of(const std::string& where);
 // The AdamW of `--mode finetune`, both ways.
 FusedAdamW finetune_adamw();
 // Makes every block weight of `model` trainable (before an offloader is built over it).
