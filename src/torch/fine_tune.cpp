@@ -354,30 +354,33 @@ void FineTuner::wait_for_block(int64_t block) {
 // checkpoints, reads weights, or a write fails) every host copy is the latest, and no write-back
 // is pending while the next forward moves blocks. The copies it waits for are those the
 // backward's last blocks started, which the next forward needs first anyway.
+void FineTuner::finish_host_steps() {
+  if (!on_host_) return;
+  drain();
+  std::string failure;
+  {
+    std::lock_guard lock(mutex_);
+    failure.swap(host_failure_);
+  }
+  // The blocks stepped on the host that are still on the device get their new weights; a
+  // backward through a graph that saved the old ones raises, as after torch.optim's step.
+  for (std::size_t b = 0; b < host_stepped_.size(); ++b) {
+    if (!host_stepped_[b]) continue;
+    host_stepped_[b] = false;
+    for (const TrainableParam& param : binder_->layouts()[b].trainable) {
+      torch::autograd::impl::bump_version(
+          binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
+      binder_->written_by_blockswap(static_cast<int64_t>(b), param.tensor);
+    }
+    engine_->reload_trainable(static_cast<int64_t>(b));
+  }
+  BLOCKSWAP_CHECK(failure.empty(), "[", label_, "] the step on the host failed for ", failure,
+                  "; that parameter keeps its value from before this step");
+}
+
 void FineTuner::backward_done() {
   end_queued_ = false;
-  if (on_host_) {
-    drain();
-    std::string failure;
-    {
-      std::lock_guard lock(mutex_);
-      failure.swap(host_failure_);
-    }
-    // The blocks stepped on the host that are still on the device get their new weights; a
-    // backward through a graph that saved the old ones raises, as after torch.optim's step.
-    for (std::size_t b = 0; b < host_stepped_.size(); ++b) {
-      if (!host_stepped_[b]) continue;
-      host_stepped_[b] = false;
-      for (const TrainableParam& param : binder_->layouts()[b].trainable) {
-        torch::autograd::impl::bump_version(
-            binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
-        binder_->written_by_blockswap(static_cast<int64_t>(b), param.tensor);
-      }
-      engine_->reload_trainable(static_cast<int64_t>(b));
-    }
-    BLOCKSWAP_CHECK(failure.empty(), "[", label_, "] the step on the host failed for ", failure,
-                    "; that parameter keeps its value from before this step");
-  }
+  finish_host_steps();
   std::string partial;
   for (std::size_t b = 0; b < in_backward_.size(); ++b) {
     if (!in_backward_[b]) continue;
@@ -401,13 +404,15 @@ void FineTuner::backward_done() {
 }
 
 void FineTuner::pass_starts() {
-  drain(); // a backward that failed part-way may have left host steps in flight
   if (!end_queued_) return;
   end_queued_ = false; // the backward failed before its end: its counts are void
   for (std::size_t b = 0; b < in_backward_.size(); ++b) {
     if (in_backward_[b]) --backwards_[b];
     in_backward_[b] = false;
   }
+  // The steps it took stand (as those on the device do): those on the host finish, and the
+  // blocks they changed that are on the device take the new weights.
+  finish_host_steps();
 }
 
 void FineTuner::set_learning_rate(double lr) {
@@ -416,6 +421,7 @@ void FineTuner::set_learning_rate(double lr) {
                   "(Options::optimizer)");
   BLOCKSWAP_CHECK(std::isfinite(lr) && lr >= 0, "[", label_, "] learning rate ", lr,
                   " must be finite and >= 0");
+  drain(); // steps on the host still in flight (a backward that failed) read the optimizer
   std::visit(Overloaded{[](std::monostate) {}, [&](FusedSGD& o) { o.lr = lr; },
                         [&](FusedAdamW& o) { o.lr = lr; },
                         [&](FusedCustom&) {
@@ -438,6 +444,7 @@ void FineTuner::set_optimizer(const FusedOptimizer& optimizer) {
                   "offloader's, with the same state (",
                   state_names(optimizer_).size(),
                   " tensor(s) per parameter; SGD's momentum cannot start or stop being 0)");
+  drain();
   optimizer_ = optimizer;
 }
 
@@ -480,6 +487,7 @@ std::vector<std::pair<std::string, int64_t>> FineTuner::steps(int64_t block) con
 void FineTuner::set_steps(int64_t block, const std::string& parameter, int64_t steps) {
   check_attached(block);
   BLOCKSWAP_CHECK(steps >= 0, "[", label_, "] a step count cannot be negative (", steps, ")");
+  drain();
   const auto& layout = binder_->layouts()[block];
   for (std::size_t p = 0; p < params_[block].size(); ++p) {
     if (layout.tensors[layout.trainable[p].tensor].name != parameter) continue;

@@ -93,6 +93,9 @@ private:
   void host_gradient(int64_t block, std::size_t param, const at::Tensor& grad, bool final);
   void work();  // the worker thread
   void drain(); // until no host step is in flight
+  // At the end of a backward (or at the next pass after one that failed): drains, reloads the
+  // stepped blocks that are on the device, and throws Error for a host step that failed.
+  void finish_host_steps();
   void wait_for_block(int64_t block);
 
   bool enabled_ = false;

@@ -762,5 +762,59 @@ TEST(FineTune, AFailedWriteBackLosesNoWeight) {
   EXPECT_GT(named, 0) << "no injected failure hit a write-back";
 }
 
+// A backward that fails part-way (here a hook on block 2's output): the blocks whose backward
+// ran before it were stepped, and those steps stand, with the step on the device as on the
+// host. What the next pass computes is what the parameters read: no block computes with
+// weights other than those its parameters show, and training goes on.
+TEST(FineTune, ABackwardThatFailsPartWayKeepsTheStepsItTookEverywhere) {
+  for (const StepOn where : {StepOn::device, StepOn::host}) {
+    const std::string what = where == StepOn::host ? "host" : "device";
+    Model model = fine_tune_model();
+    const auto before = all_parameters(model);
+    ModelOffloader offloader("blocks", model.modules(),
+                             fine_tune_options(2, FusedSGD{0.1}, 1, where));
+    const Inputs in;
+    offloader.prepare_block_devices_before_forward();
+    torch::Tensor x = in.x;
+    for (int64_t i = 0; i < kBlocks; ++i) {
+      x = offloader.run_block(i, {x, in.context}, model.fn(i))[0];
+      if (i == 2) {
+        x.register_hook([](const torch::Tensor&) -> torch::Tensor {
+          throw std::runtime_error("boom in backward");
+        });
+      }
+    }
+    EXPECT_THROW(loss_of(x).backward(), std::exception) << what;
+
+    torch::Tensor evaluated;
+    {
+      torch::NoGradGuard no_grad;
+      evaluated = forward(offloader, model, in, Verbs::run_block);
+    }
+    const auto now = all_parameters(model);
+    // Blocks 3..5 (their backward ran) changed in every trainable parameter; 0..2 did not.
+    std::size_t index = 0;
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      for (const auto& p : model.blocks[b]->parameters()) {
+        const bool same = torch::equal(now[index], before[index]);
+        EXPECT_EQ(same, b <= 2 || !p.requires_grad()) << what << " block " << b << " " << index;
+        ++index;
+      }
+    }
+    Model plain = fine_tune_model();
+    {
+      torch::NoGradGuard no_grad;
+      std::size_t i = 0;
+      for (auto& block : plain.blocks) {
+        for (auto& p : block->parameters()) p.copy_(now[i++]);
+      }
+      expect_bitwise(plain.forward(in.x, in.context), evaluated, what + ": the next pass");
+    }
+    const torch::Tensor loss = loss_of(forward(offloader, model, in, Verbs::run_block));
+    EXPECT_NO_THROW(loss.backward()) << what;
+    for (const auto& p : all_parameters(model)) EXPECT_TRUE(p.isfinite().all().item<bool>());
+  }
+}
+
 } // namespace
 } // namespace blockswap
