@@ -238,6 +238,8 @@ public:
   run_block(int64_t block_idx, const torch::autograd::variable_list& inputs, const BlockFn& fn);
   bool is_resident(int64_t block_idx) const;
   // Blocks the host until every copy enqueued so far has completed (not the computations).
+  // After a backward that raised part-way (fine-tuning), it first finishes the steps that
+  // backward took, so weights read afterwards are the stepped ones (the next pass does too).
   void synchronize();
   int64_t blocks_to_swap() const; // K, as given or as the planner chose it
   Stats stats() const;
@@ -252,6 +254,12 @@ public:
   // Where the steps run: Options::step_on, with automatic resolved (device or host; device
   // when there is no optimizer).
   StepOn step_on() const;
+  // With Options::gradient_accumulation_steps n: the backward calls counted toward the next
+  // step, 0 right after the n-th stepped (always 0 for n = 1). The step runs inside the n-th
+  // backward call that reaches the blocks, so a trainer whose own step comes after n
+  // micro-batches checks here that each of them had its backward: a micro-batch without one
+  // would move every later step by one (docs/guide.md, "Fine-tuning").
+  int64_t accumulated_backwards() const;
   // Block i's optimizer state, by name ("<parameter>.exp_avg", ".exp_avg_sq" for AdamW,
   // ".momentum_buffer" for SGD, ".state<j>" for a callback, ".grad_sum" while gradients are
   // being accumulated): tensors that read their true values wherever the block is, and that

@@ -90,11 +90,31 @@ class _FusedOptimizer(_torch.optim.Optimizer):
     _kind = ""
 
     def __init__(self, params, defaults):
-        super().__init__(params, defaults)
-        if len(self.param_groups) != 1:
-            raise ValueError(f"{type(self).__name__} takes one parameter group")
         self._owner = None   # the ModelOffloader, weakly
         self._where = {}     # id(parameter) -> (block index, name in the block)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group):
+        """torch.optim's, for the one group of the blocks' parameters: a second group raises
+        ``ValueError`` (its parameters would never step)."""
+        if self.param_groups:
+            raise ValueError(f"{type(self).__name__} takes one parameter group, the blocks' "
+                             "parameters that train (given when it is built); optimize other "
+                             "parameters with a torch.optim optimizer of their own")
+        super().add_param_group(param_group)
+
+    # torch.optim options whose steps the fused ones do not compute
+    _unsupported = ("maximize", "amsgrad")
+
+    def _check_groups(self, groups):
+        if len(groups) != 1:
+            raise ValueError(f"{type(self).__name__} takes one parameter group, got "
+                             f"{len(groups)}")
+        for key in self._unsupported:
+            if groups[0].get(key):
+                raise ValueError(f"{type(self).__name__} does not compute {key}=True steps "
+                                 f"(a torch.optim option); set {key}=False in the parameter "
+                                 "group, or step these parameters with torch.optim")
 
     @property
     def offloader(self):
@@ -102,6 +122,7 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         return self._owner() if self._owner is not None else None
 
     def _hyper(self):
+        self._check_groups(self.param_groups)
         group = self.param_groups[0]
         self._check(group)
         return {k: float(v) for k, v in self._flat(group).items()}
@@ -125,6 +146,7 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         offloader = self.offloader
         if offloader is None or offloader._impl is None:
             return
+        offloader._impl.synchronize()  # host steps of a backward that raised part-way finish
         self.state.clear()
         by_block = {}
         for p in self.param_groups[0]["params"]:
@@ -162,16 +184,32 @@ class _FusedOptimizer(_torch.optim.Optimizer):
                 self.state.clear()
 
     def load_state_dict(self, state_dict):
+        self._check_groups(state_dict["param_groups"])  # before anything changes
         super().load_state_dict(state_dict)
         self._push_state()
 
     @_torch.no_grad()
     def step(self, closure=None):
-        """The steps ran during backward; this only evaluates ``closure`` when given."""
+        """The steps ran during backward; this evaluates ``closure`` when given, and with
+        ``gradient_accumulation_steps`` n checks that the step ran: raises ``blockswap.Error``
+        when fewer than n backwards came since the last one (a micro-batch without backward
+        would move every later step)."""
+        loss = None
         if closure is not None:
             with _torch.enable_grad():
-                return closure()
-        return None
+                loss = closure()
+        offloader = self.offloader
+        if offloader is not None and offloader._impl is not None:
+            counted = offloader.accumulated_backwards
+            if counted != 0:
+                n = offloader._accumulation
+                raise Error(f"[{offloader.block_type}] step() came after {counted} of the "
+                            f"{n} backwards of gradient_accumulation_steps={n}: the fused step "
+                            f"runs inside every n-th backward, so a micro-batch without a "
+                            "backward (or whose backward reached none of the blocks) would "
+                            "step the blocks at other times than torch.optim does. Call "
+                            "backward for every micro-batch and step() after every n-th")
+        return loss
 
     def zero_grad(self, set_to_none=True):
         """Nothing to zero: the fused step leaves no ``.grad`` on the blocks' parameters."""
@@ -300,6 +338,7 @@ class ModelOffloader:
         self._hooks = []
         self._trace = trace
         self.optimizer = optimizer
+        self._accumulation = gradient_accumulation_steps
         if num_blocks != len(self.blocks):
             raise ValueError(f"[{block_type}] num_blocks={num_blocks} but {len(self.blocks)} "
                              "blocks were given")
@@ -392,7 +431,11 @@ class ModelOffloader:
         # A block's outputs, bracketed in autograd: before the block's backward runs, its
         # weights are brought back where its forward's saved tensors point.
         def hook(module, inputs, output):
-            if self._impl is None or not _torch.is_grad_enabled():
+            if self._impl is None:
+                return None
+            if not _torch.is_grad_enabled():
+                # No backward can reach this block's outputs: its submit may be outside no_grad.
+                self._impl.bracket_outputs(index, [])
                 return None
             tensors = []
             _flatten(output, tensors)
@@ -480,6 +523,12 @@ class ModelOffloader:
     def step_on(self):
         """Where the fused steps run, ``"device"`` or ``"host"`` (``"auto"`` resolved)."""
         return "device" if self._impl is None else self._impl.step_on()
+
+    @property
+    def accumulated_backwards(self):
+        """With ``gradient_accumulation_steps`` n: the backwards counted toward the next fused
+        step, 0 right after the n-th (the optimizer's ``step()`` checks it)."""
+        return 0 if self._impl is None else self._impl.accumulated_backwards()
 
     def set_optimizer_steps(self, block_idx, parameter, steps):
         """Restores the step count of block i's parameter (AdamW's bias correction)."""

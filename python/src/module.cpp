@@ -181,6 +181,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("optimizer_state", [](Offloader& o, int64_t i) { return o.get().optimizer_state(i); })
       .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
+      .def("accumulated_backwards",
+           [](Offloader& o) { return o.get().accumulated_backwards(); })
       .def("step_on",
            [](Offloader& o) {
              return std::string(o.get().step_on() == StepOn::host ? "host" : "device");

@@ -265,3 +265,175 @@ def test_python_argument_mistakes_are_value_errors():
             blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
                                      optimizer=blockswap.FusedSGD(trainable(blocks), lr=0.1),
                                      gradient_accumulation_steps=bad)
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_accumulation_steps_when_torch_optim_does_whichever_blocks_a_micro_batch_reaches(step_on):
+    # The first micro-batch's loss is on block 3's output: blocks 4 and 5 get their gradient
+    # from the second only. torch.optim steps every parameter with a .grad at step().
+    inputs = batches(6)
+    reach = (4, N)
+
+    def train_partial(blocks, optimizer, offloader=None):
+        for step in range(3):
+            for m in range(2):
+                run_blocks(blocks[:reach[m]], inputs[2 * step + m], offloader).pow(2).mean() \
+                    .backward()
+                if offloader is not None:
+                    assert offloader.accumulated_backwards == (1 if m == 0 else 0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for b in blocks for p in b.parameters()]
+
+    reference = fine_tune_blocks()
+    expected = train_partial(reference, torch.optim.SGD(trainable(reference), lr=0.05,
+                                                        momentum=0.9))
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.05, momentum=0.9)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer, step_on=step_on,
+                                  gradient_accumulation_steps=2) as offloader:
+        got = train_partial(blocks, optimizer, offloader)
+    assert_same(expected, got, f"step on the {step_on}")
+
+
+def test_accumulation_that_cannot_follow_torch_optim_raises():
+    inputs = batches(4)
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer, gradient_accumulation_steps=2) as offloader:
+        # The last micro-batch of a step does not reach blocks 4 and 5, which have gradients.
+        run_blocks(blocks, inputs[0], offloader).pow(2).mean().backward()
+        with pytest.raises(RuntimeError, match="'fc1.weight' of block 4"):
+            run_blocks(blocks[:4], inputs[1], offloader).pow(2).mean().backward()
+        optimizer.step()  # the step that raised has ended: the count starts anew
+        # A micro-batch without backward (a NaN guard): step() after one backward of two.
+        run_blocks(blocks, inputs[2], offloader).pow(2).mean().backward()
+        run_blocks(blocks, inputs[3], offloader)
+        with pytest.raises(blockswap.Error, match=r"step\(\) came after 1 of the 2 backwards"):
+            optimizer.step()
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_a_block_weight_tied_into_the_loss_mid_pass_is_exact(step_on):
+    # Block 0's weight read after block 1 (block 0 has left the device by then): the stepped
+    # value, as torch.optim's.
+    inputs = batches(3)
+
+    def train_tied(blocks, optimizer, offloader=None):
+        for step in range(3):
+            if offloader is not None:
+                offloader.prepare_block_devices_before_forward()
+            x, tied = inputs[step], None
+            for i, block in enumerate(blocks):
+                if offloader is not None:
+                    offloader.wait_for_block(i)
+                x = block(x)
+                if offloader is not None:
+                    offloader.submit_move_blocks_forward(i)
+                if i == 1:
+                    tied = blocks[0].fc1.weight.pow(2).sum()
+            (x.pow(2).mean() + tied).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for b in blocks for p in b.parameters()]
+
+    reference = fine_tune_blocks()
+    expected = train_tied(reference, torch.optim.SGD(trainable(reference), lr=0.1))
+    for k in (1, 2):
+        blocks = fine_tune_blocks()
+        optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+        with blockswap.ModelOffloader("blocks", blocks, N, k, True, "cpu", False,
+                                      optimizer=optimizer, step_on=step_on) as offloader:
+            got = train_tied(blocks, optimizer, offloader)
+        assert_same(expected, got, f"K={k} step on the {step_on}")
+
+
+def test_torch_optim_options_the_fused_step_does_not_compute_are_refused():
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedAdamW(trainable(blocks), lr=0.1)
+    with pytest.raises(ValueError, match="one parameter group"):
+        blockswap.FusedAdamW([{"params": trainable(blocks)[:2]},
+                              {"params": trainable(blocks)[2:]}], lr=0.1)
+    with pytest.raises(ValueError, match="one parameter group"):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    # A torch.optim checkpoint with maximize or amsgrad: refused before anything changes.
+    reference = torch.optim.AdamW(trainable(fine_tune_blocks()), lr=0.1, amsgrad=True)
+    before = dict(optimizer.param_groups[0])
+    with pytest.raises(ValueError, match="amsgrad=True"):
+        optimizer.load_state_dict(reference.state_dict())
+    assert optimizer.param_groups[0] == before
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        optimizer.param_groups[0]["maximize"] = True  # set by hand: refused as a pass starts
+        with pytest.raises(ValueError, match="maximize=True"):
+            run_blocks(blocks, batches(1)[0], offloader)
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_after_a_backward_that_raised_the_weights_read_are_the_stepped(step_on):
+    # An exception in a hook between blocks 1 and 2: blocks 2-5 stepped, 0-1 did not. What the
+    # parameters read after synchronize() (and in optimizer.state_dict()) is what the next pass
+    # computes with.
+    x = batches(1)[0]
+    reference = fine_tune_blocks()
+    h = x
+    for block in reference:
+        h = block(h)
+    h.pow(2).mean().backward()
+    torch.optim.SGD([p for b in reference[2:] for p in b.parameters() if p.requires_grad],
+                    lr=0.1).step()
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+    with blockswap.ModelOffloader("blocks", blocks, N, 0, True, "cpu", False,
+                                  optimizer=optimizer, step_on=step_on) as offloader:
+        offloader.prepare_block_devices_before_forward()
+        h = x
+        for i, block in enumerate(blocks):
+            offloader.wait_for_block(i)
+            h = block(h)
+            offloader.submit_move_blocks_forward(i)
+            if i == 1:
+                h.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):
+            h.pow(2).mean().backward()
+        offloader.synchronize()
+        for a, b in zip(reference, blocks):
+            for p, q in zip(a.parameters(), b.parameters()):
+                assert torch.equal(p, q)
+
+
+def test_a_block_run_under_no_grad_in_a_training_pass_with_its_submit_outside_is_exact():
+    # A frozen first block computed under torch.no_grad() (wait and submit around it as for every
+    # block, the submit outside the no_grad): no backward reaches it, so nothing of it steps.
+    inputs = batches(2)
+
+    def train_first_frozen(blocks, optimizer, offloader=None):
+        for x in inputs:
+            if offloader is not None:
+                offloader.prepare_block_devices_before_forward()
+            for i, block in enumerate(blocks):
+                if offloader is not None:
+                    offloader.wait_for_block(i)
+                if i == 0:
+                    with torch.no_grad():
+                        x = block(x)
+                else:
+                    x = block(x)
+                if offloader is not None:
+                    offloader.submit_move_blocks_forward(i)
+            x.pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for b in blocks for p in b.parameters()]
+
+    reference = fine_tune_blocks()
+    expected = train_first_frozen(reference, torch.optim.SGD(trainable(reference), lr=0.1))
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        got = train_first_frozen(blocks, optimizer, offloader)
+        assert all(s == 0 for s in offloader.optimizer_steps(0).values())
+    assert_same(expected, got, "block 0 under no_grad")

@@ -69,6 +69,7 @@ public:
   std::byte* device_data(int64_t block) const;
   std::shared_ptr<Buffer> device_buffer(int64_t block) const;
   void mark_dirty(int64_t block);
+  void write_back_early();
   bool writing_back() const;
   std::shared_ptr<Event> copy_out(std::byte* host, const std::byte* device, std::size_t bytes,
                                   int64_t tag);
@@ -101,6 +102,8 @@ private:
     }
     // Where the freshest trainable bytes are: the target of a pending write-back, or current.
     HostRegion freshest() const { return region(writing_back ? 1 - current : current); }
+    std::unique_ptr<Event> written;  // recorded on the copy stream after its write-back
+    bool evicted_by_forward = false; // the training schedule's forward evicts it
     bool forwarded = false;        // computed since prepare(), outside a recompute pass
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
     int64_t replaced = -1;         // for debug lines: the block its load evicted
@@ -122,9 +125,13 @@ private:
   void place(int64_t block, int64_t slot);
   int64_t victim_for(int64_t block) const;
   void prefetch_after_backward(int64_t block);
+  void write_back(int64_t block);
+  void commit(int64_t block);
   void wait_like_the_seed(int64_t slot);
-  void move(const Move& move);
-  void evict(int64_t block, bool refilled);
+  // `settle`: in a forward pass, where the caller may read the evicted block's tensors at once
+  // (Note [write-back before the forward]).
+  void move(const Move& move, bool settle);
+  void evict(int64_t block, bool refilled, bool settle = false);
   void load(int64_t block, int64_t slot);
   void mark_ready(int64_t block);
   void forget_unready_loads();
@@ -175,6 +182,13 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
   blocks_.resize(block_bytes.size());
+  if (training_.has_value()) {
+    const auto n = static_cast<int64_t>(block_bytes.size());
+    for (int64_t b = 0; b < n; ++b) {
+      if (training_->initial_slots()[b] < 0) blocks_[b].evicted_by_forward = true;
+      for (const Move& m : training_->after_forward(b)) blocks_[m.out].evicted_by_forward = true;
+    }
+  }
   for (std::size_t i = 0; i < block_bytes.size(); ++i) {
     BlockState& block = blocks_[i];
     block.bytes = block_bytes[i];
@@ -407,14 +421,14 @@ void Engine::Impl::leave(int64_t block, Compute compute) {
   if (state.slot >= 0) state.computed_in = slots_[state.slot].memory.get();
   state.forwarded = true;
   if (!enabled_) return;
-  for (const Move& m : current().after_forward(block)) move(m);
+  for (const Move& m : current().after_forward(block)) move(m, true);
 }
 
 void Engine::Impl::after_backward(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
   if (!enabled_) return;
-  for (const Move& m : current().after_backward(block)) move(m);
+  for (const Move& m : current().after_backward(block)) move(m, false);
 }
 
 int64_t Engine::Impl::slot_index(const Buffer* memory) const {
@@ -493,9 +507,11 @@ void Engine::Impl::prefetch_after_backward(int64_t block) {
     blocks_[m.in].replaced = occupant;
     ++stats_.moves;
   }
+  const BlockState& done = blocks_[block];
+  if (done.slot >= 0 && done.dirty && done.evicted_by_forward) write_back(block);
 }
 
-void Engine::Impl::move(const Move& m) {
+void Engine::Impl::move(const Move& m, bool settle) {
   const BlockState& out = blocks_[m.out];
   BLOCKSWAP_CHECK(out.slot >= 0, "[", label_, "] cannot move block ", m.out,
                   " off the device: it is not there. Call prepare_block_devices_before_forward() "
@@ -511,7 +527,7 @@ void Engine::Impl::move(const Move& m) {
   }
   const int64_t slot = out.slot;
   wait_like_the_seed(slot);
-  evict(m.out, true);
+  evict(m.out, true, settle);
   load(m.in, slot);
   blocks_[m.in].replaced = m.out;
   ++stats_.moves;
@@ -534,22 +550,17 @@ void Engine::Impl::wait_like_the_seed(int64_t slot) {
 // device. Eviction happens right after the caller has enqueued the block's last computation, so
 // an event recorded on the compute stream now follows every reader, and the copy stream waits
 // for it before the next copy into the slot. The host does not wait.
-void Engine::Impl::evict(int64_t block, bool refilled) {
+void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   BlockState& state = blocks_[block];
   SlotState& slot = slots_[state.slot];
+  // Written back before (Note [write-back before the forward]) and unchanged since: the host
+  // copy the tensors are bound to next must hold those bytes.
+  if (state.writing_back && !state.dirty) commit(block);
   if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty) {
-    if (!state.spare) {
-      state.spare = std::make_shared<Buffer>(backend_->allocate_host(state.trainable));
-    }
-    // A block evicted twice before a synchronize overwrites its own pending write-back.
-    backend_->copy_to_host(state.region(1 - state.current).data(),
-                           slot.memory->data() + state.frozen(), state.trainable, block);
-    stats_.d2h_bytes += state.trainable;
-    state.dirty = false;
-    state.writing_back = true;
+    write_back(block);
   } else if (current().writes_back()) {
     // The seed replay copies back weights that did not change: the host's bytes stay the same
     // whatever part of the copy happens.
@@ -560,6 +571,7 @@ void Engine::Impl::evict(int64_t block, bool refilled) {
   slot.block = -1;
   state.slot = -1;
   state.ready = false;
+  if (settle && state.writing_back) commit(block);
 }
 
 void Engine::Impl::load(int64_t block, int64_t slot) {
@@ -585,6 +597,56 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   state.ready = false;
   state.replaced = -1;
   state.submitted = Clock::now();
+}
+
+// Block `block`'s trainable bytes to the host region that is not current (Note [atomic
+// write-back]), after every computation enqueued so far. A block written back twice before a
+// commit overwrites its own pending write-back.
+void Engine::Impl::write_back(int64_t block) {
+  BlockState& state = blocks_[block];
+  SlotState& slot = slots_[state.slot];
+  backend_->record(*slot.released, Stream::compute);
+  backend_->wait(Stream::copy, *slot.released);
+  if (!state.spare) {
+    state.spare = std::make_shared<Buffer>(backend_->allocate_host(state.trainable));
+  }
+  if (!state.written) state.written = backend_->make_event();
+  backend_->copy_to_host(state.region(1 - state.current).data(),
+                         slot.memory->data() + state.frozen(), state.trainable, block);
+  backend_->record(*state.written, Stream::copy);
+  stats_.d2h_bytes += state.trainable;
+  state.dirty = false;
+  state.writing_back = true;
+}
+
+// Waits for block `block`'s write-back and makes its region current.
+void Engine::Impl::commit(int64_t block) {
+  BlockState& state = blocks_[block];
+  try {
+    backend_->synchronize(*state.written);
+  } catch (...) {
+    copy_failed();
+  }
+  state.current = 1 - state.current;
+  state.writing_back = false;
+  if (listener_ != nullptr) listener_->on_written_back(block, state.region(state.current));
+}
+
+// Note [write-back before the forward]
+// A block stepped in backward that stays on the device, and that the next forward evicts, is
+// written back as soon as its backward is over (the next block's backward starts, or the
+// backward ends): the copy overlaps the rest of the backward, or the time until that forward
+// evicts it. When the forward evicts it, its host copy is committed first, so its tensors are
+// bound to the latest values at once: the caller may read them in the middle of that pass (a
+// tied weight). A block that changed without it (a backward that failed part-way) is written
+// back at that eviction and waited for. The bytes are the same: each changed block is written
+// back once, when it must leave.
+void Engine::Impl::write_back_early() {
+  std::lock_guard lock(mutex_);
+  for (int64_t b = 0; b < blocks(); ++b) {
+    const BlockState& state = blocks_[b];
+    if (state.slot >= 0 && state.dirty && state.evicted_by_forward) write_back(b);
+  }
 }
 
 void Engine::Impl::mark_ready(int64_t block) {
@@ -630,9 +692,14 @@ void Engine::Impl::copy_failed() {
   forget_unready_loads();
   std::string dropped;
   for (int64_t b = 0; b < blocks(); ++b) {
-    if (!blocks_[b].writing_back) continue;
-    blocks_[b].writing_back = false;
-    dropped += detail::concat(dropped.empty() ? "" : ", ", b);
+    BlockState& state = blocks_[b];
+    if (!state.writing_back) continue;
+    state.writing_back = false;
+    if (state.slot >= 0) {
+      state.dirty = true; // the changes are still in its slot: written back when it leaves
+    } else {
+      dropped += detail::concat(dropped.empty() ? "" : ", ", b);
+    }
   }
   if (dropped.empty()) throw;
   try {
@@ -784,7 +851,7 @@ void Engine::Impl::reload_trainable(int64_t block) {
 bool Engine::Impl::writing_back() const {
   std::lock_guard lock(mutex_);
   for (const BlockState& state : blocks_) {
-    if (state.writing_back) return true;
+    if (state.writing_back && state.slot < 0) return true;
   }
   return false;
 }
@@ -839,6 +906,7 @@ void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
   impl_->acquire_for_backward(block, slot);
 }
 void Engine::after_backward(int64_t block) { impl_->after_backward(block); }
+void Engine::write_back_early() { impl_->write_back_early(); }
 void Engine::disable() { impl_->disable(); }
 void Engine::enable() { impl_->enable(); }
 bool Engine::enabled() const { return impl_->enabled(); }

@@ -173,7 +173,6 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   engine_ = &engine;
   const auto& layouts = binder.layouts();
   params_.assign(layouts.size(), {});
-  backwards_.assign(layouts.size(), 0);
   in_backward_.assign(layouts.size(), false);
   if (!enabled_) return;
   for (std::size_t b = 0; b < layouts.size(); ++b) {
@@ -214,15 +213,22 @@ void FineTuner::stop() {
   if (binder_ != nullptr) binder_->before_load_hook = nullptr;
 }
 
+// Note [accumulation]
+// torch.optim with accumulation steps every parameter that has a .grad when the trainer calls
+// step() after its n-th micro-batch, whichever micro-batches reached it. So the fused step
+// counts backward calls, not backwards per block: every parameter steps in the n-th backward,
+// with the gradients of the backwards before summed in (grad_sum). What the fused step cannot
+// do raises instead of stepping at another time: a parameter with summed gradients that the
+// n-th backward does not reach (backward_done), and a trainer whose step() comes after fewer
+// backwards (a micro-batch without backward: the Python optimizers' step() checks
+// accumulated_backwards()).
 bool FineTuner::backward_starts(int64_t block) {
   if (!enabled_) return false;
-  if (!in_backward_[block]) {
-    in_backward_[block] = true;
-    ++backwards_[block];
-  }
-  const bool queue = !end_queued_;
+  in_backward_[block] = true;
+  if (end_queued_) return false;
   end_queued_ = true;
-  return queue;
+  ++backwards_;
+  return true;
 }
 
 void FineTuner::gradient_ready(int64_t block, std::size_t param) {
@@ -238,7 +244,7 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
                   " got a gradient outside its block's backward (used outside the block, or "
                   "backward called on a tensor computed from it directly): a parameter that "
                   "trains with its block may be used only inside the block");
-  const bool final = backwards_[block] >= accumulation_;
+  const bool final = backwards_ >= accumulation_;
   if (on_host_) {
     host_gradient(block, param, grad, final);
     return;
@@ -381,12 +387,11 @@ void FineTuner::finish_host_steps() {
 void FineTuner::backward_done() {
   end_queued_ = false;
   finish_host_steps();
+  std::fill(in_backward_.begin(), in_backward_.end(), false);
   std::string partial;
-  for (std::size_t b = 0; b < in_backward_.size(); ++b) {
-    if (!in_backward_[b]) continue;
-    in_backward_[b] = false;
-    if (backwards_[b] < accumulation_) continue;
-    backwards_[b] = 0;
+  const bool stepped = backwards_ >= accumulation_;
+  if (stepped) backwards_ = 0;
+  for (std::size_t b = 0; stepped && b < params_.size(); ++b) {
     for (std::size_t p = 0; p < params_[b].size(); ++p) {
       if (!params_[b][p].summed) continue;
       params_[b][p].summed = false; // the next step starts anew
@@ -396,20 +401,21 @@ void FineTuner::backward_done() {
     }
   }
   engine_->synchronize();
+  engine_->write_back_early(); // Note [write-back before the forward] in engine.cpp
   BLOCKSWAP_CHECK(partial.empty(), "[", label_, "] parameter(s) ", partial,
-                  " got gradients in earlier accumulating backwards but none in the last one, "
-                  "where the fused step runs: they were not stepped and their summed gradients "
-                  "are dropped. Use every trainable parameter in every backward, or accumulate "
-                  "over one backward");
+                  " got gradients in earlier accumulating backwards but none in the last one "
+                  "(backward ",
+                  accumulation_, " of gradient_accumulation_steps=", accumulation_,
+                  "), where the fused step runs: they were not "
+                  "stepped and their summed gradients are dropped. Reach every parameter that "
+                  "trains in the last backward of each step, or accumulate over one backward");
 }
 
-void FineTuner::pass_starts() {
+void FineTuner::close_failed_backward() {
   if (!end_queued_) return;
-  end_queued_ = false; // the backward failed before its end: its counts are void
-  for (std::size_t b = 0; b < in_backward_.size(); ++b) {
-    if (in_backward_[b]) --backwards_[b];
-    in_backward_[b] = false;
-  }
+  end_queued_ = false; // the backward failed before its end: it does not count
+  --backwards_;
+  std::fill(in_backward_.begin(), in_backward_.end(), false);
   // The steps it took stand (as those on the device do): those on the host finish, and the
   // blocks they changed that are on the device take the new weights.
   finish_host_steps();

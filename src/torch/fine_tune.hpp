@@ -49,17 +49,20 @@ public:
   // Waits for the host steps in flight and ends the worker; before the engine goes.
   void stop();
 
-  // Block `block`'s backward starts: one more backward through it (counted once per backward
-  // call). Returns true when the caller must arrange for backward_done() at this backward's end.
+  // Block `block`'s backward starts; the first block of a backward call counts one more
+  // backward toward the step (Note [accumulation] in the .cpp). Returns true when the caller
+  // must arrange for backward_done() at this backward's end.
   bool backward_starts(int64_t block);
   // Post hook of a parameter's gradient accumulator (Note [fused step] in block_autograd.cpp).
   void gradient_ready(int64_t block, std::size_t param);
-  // The backward has finished: blocks that took their last accumulating backward start anew,
-  // and what was written back reaches host memory (Note [host copy after backward] in .cpp).
+  // The backward has finished: after the backward that stepped, the next step starts anew;
+  // what was written back reaches host memory (Note [host copy after backward] in .cpp).
   void backward_done();
-  // A forward pass starts: a backward that failed part-way left its counts behind; they are
-  // dropped.
-  void pass_starts();
+  // A forward pass starts, or the caller synchronizes: a backward that failed part-way is not
+  // counted, and the steps it took on the host finish (on the device blocks too).
+  void close_failed_backward();
+  // Backwards counted toward the next step: 0 right after a step (and without accumulation).
+  int64_t accumulated_backwards() const { return backwards_; }
 
   void set_learning_rate(double lr);
   void set_optimizer(const FusedOptimizer& optimizer);
@@ -109,8 +112,8 @@ private:
   Engine* engine_ = nullptr;
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
   std::vector<std::vector<Param>> params_;
-  std::vector<int64_t> backwards_; // backwards through each block since its last step
-  std::vector<bool> in_backward_;  // counted in the backward now running
+  int64_t backwards_ = 0;         // backward calls since the last step, the running one too
+  std::vector<bool> in_backward_; // blocks the backward now running reached
   bool end_queued_ = false;
 
   std::vector<std::vector<HostParam>> host_;

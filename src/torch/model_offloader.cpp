@@ -166,7 +166,7 @@ public:
 
   void prepare() {
     binder_.check_still_frozen();
-    fine_tuner_.pass_starts();
+    fine_tuner_.close_failed_backward();
     commit_write_backs(); // a pass that stopped before the last block left some
     engine_->prepare();
   }
@@ -228,6 +228,10 @@ public:
                                          std::shared_ptr<Buffer> slot = nullptr) {
     check_index(block);
     if (blocks_to_swap_ == 0 && !fine_tuner_.enabled()) return outputs;
+    if (outputs.empty()) { // nothing to bracket: the block ran without grad (Python's hook)
+      outputs_seen_[block] = true;
+      return outputs;
+    }
     if (!slot) slot = engine_->device_buffer(block);
     check_no_output_views_weights(block, *slot, outputs);
     outputs_seen_[block] = true;
@@ -250,7 +254,7 @@ public:
           "and its weights could be gone by then. To train, use run_block(i, inputs, fn), or "
           "submit_move_blocks_forward(i, outputs) and go on with the tensors it returns (in "
           "Python: call the block as block(...), whose outputs the offloader sees); for "
-          "inference, run under torch::NoGradGuard (torch.no_grad())"));
+          "inference, run under torch::NoGradGuard (torch.no_grad()), the submit too"));
     }
     engine_->leave(block, compute());
     if (block + 1 == static_cast<int64_t>(outputs_seen_.size())) commit_write_backs();
@@ -434,6 +438,7 @@ bool ModelOffloader::is_resident(int64_t block_idx) const {
 }
 
 void ModelOffloader::synchronize() {
+  impl_->fine_tuner().close_failed_backward();
   impl_->engine().synchronize();
 }
 
@@ -459,6 +464,10 @@ void ModelOffloader::set_optimizer(const FusedOptimizer& optimizer) {
 
 StepOn ModelOffloader::step_on() const {
   return impl_->fine_tuner().on_host() ? StepOn::host : StepOn::device;
+}
+
+int64_t ModelOffloader::accumulated_backwards() const {
+  return impl_->fine_tuner().accumulated_backwards();
 }
 
 std::vector<std::pair<std::string, at::Tensor>>

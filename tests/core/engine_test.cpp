@@ -525,8 +525,10 @@ void expect_failed_write_back_keeps_the_old_values(
     const std::function<void(EmulatedDevice&)>& inject, const std::string& message) {
   ChangedBlock t;
   inject(*t.device); // the next copy: block 0's write-back
-  t.change_block_0();
   try {
+    // A block changed and evicted in a forward pass: its host copy is committed at the
+    // eviction (Note [write-back before the forward]), where the failure is reported.
+    t.change_block_0();
     t.engine.wait_for_block(1);
     t.engine.after_forward(1);
     t.engine.synchronize();
@@ -627,6 +629,58 @@ TEST(Engine, DebugPrintsMovesAndWaits) {
   for (const auto& line : lines)
     waited |= line.rfind("[double_blocks] Waited for block 3: ", 0) == 0;
   EXPECT_TRUE(waited);
+}
+
+// Note [write-back before the forward]: blocks changed in backward that stay on the device and
+// that the next forward evicts are written back at the end of the backward; the forward binds
+// them to their new host copy as it evicts them, with no write-back then and no synchronize.
+TEST(Engine, ChangedBlocksTheForwardEvictsAreWrittenBackBeforeIt) {
+  struct Recorder : ResidencyListener {
+    std::vector<std::string> events;
+    void on_ready(int64_t, const std::shared_ptr<Buffer>&) override {}
+    void on_evicted(int64_t b) override { events.push_back("evicted " + std::to_string(b)); }
+    void on_written_back(int64_t b, const HostRegion&) override {
+      events.push_back("written back " + std::to_string(b));
+    }
+  } recorder;
+  const FakeModel model = uniform(4, 1024);
+  constexpr std::size_t kTrainable = 256 * sizeof(float);
+  Engine engine(slow_device(), model.bytes(),
+                {.blocks_to_swap = 2,
+                 .supports_backward = true,
+                 .trainable_bytes = std::vector<std::size_t>(4, kTrainable)});
+  model.fill(engine);
+  engine.set_listener(&recorder);
+  engine.prepare();
+  forward(engine, model);
+  for (int64_t b = 3; b >= 0; --b) {
+    engine.wait_for_block(b);
+    if (b <= 1) { // blocks 0 and 1 stay on the device; the next forward evicts both
+      auto* dev = reinterpret_cast<float*>(engine.device_data(b));
+      for (std::size_t j = 768; j < 1024; ++j) dev[j] = -1.0f - float(j);
+      engine.mark_dirty(b);
+    }
+    engine.after_backward(b);
+  }
+  engine.synchronize();
+  engine.reset_stats();
+  recorder.events.clear();
+  engine.write_back_early();
+  EXPECT_EQ(engine.stats().d2h_bytes, 2 * kTrainable);
+  EXPECT_FALSE(engine.writing_back()); // both are on the device: their tensors read it
+  engine.prepare();
+  for (int64_t b = 0; b < 2; ++b) {
+    engine.wait_for_block(b);
+    engine.after_forward(b); // evicts block b
+    const auto* trainable = reinterpret_cast<const float*>(engine.host_trainable(b).data());
+    for (std::size_t j = 0; j < 256; ++j) {
+      ASSERT_EQ(trainable[j], -1.0f - float(768 + j)) << "block " << b << " float " << j;
+    }
+  }
+  const std::vector<std::string> expected{"written back 0", "evicted 0", "written back 1",
+                                          "evicted 1"};
+  EXPECT_EQ(recorder.events, expected);
+  EXPECT_EQ(engine.stats().d2h_bytes, 2 * kTrainable); // nothing more at the evictions
 }
 
 TEST(Engine, ListenerSeesReadyAndEvicted) {

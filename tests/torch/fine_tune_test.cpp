@@ -672,6 +672,113 @@ TEST(FineTune, ParametersMissingFromTheLastAccumulatingBackwardAreAnError) {
   expect_error([&] { loss_of(x).backward(); }, "got gradients in earlier accumulating backwards");
 }
 
+// The first `blocks` blocks of a pass; the loss on the last one's output.
+torch::Tensor loss_through(Model& model, const Inputs& in, int64_t blocks,
+                           ModelOffloader* offloader) {
+  if (offloader != nullptr) offloader->prepare_block_devices_before_forward();
+  torch::Tensor x = in.x;
+  for (int64_t i = 0; i < blocks; ++i) {
+    x = offloader != nullptr ? offloader->run_block(i, {x, in.context}, model.fn(i))[0]
+                             : model.blocks[i]->forward(x, in.context);
+  }
+  return loss_of(x);
+}
+
+// torch::optim steps every parameter with a .grad after the n-th micro-batch, whichever
+// micro-batches reached it: here the first micro-batch's loss is on block 3's output, so
+// blocks 4 and 5 get their gradient from the last backward only. The fused step counts
+// backward calls, not backwards per block (Note [accumulation] in src/torch/fine_tune.cpp).
+TEST(FineTune, AccumulationStepsInTheNthBackwardWhicheverBlocksEachMicroBatchReached) {
+  torch::optim::SGDOptions sgd_options(0.05);
+  sgd_options.momentum(0.9);
+  FusedSGD sgd;
+  sgd.lr = 0.05;
+  sgd.momentum = 0.9;
+  const auto batches = micro_batches(2 * 3);
+  const int64_t reach[2] = {4, kBlocks}; // blocks each micro-batch goes through
+  Model reference = fine_tune_model();
+  torch::optim::SGD optimizer(trainable(reference), sgd_options);
+  for (int step = 0; step < 3; ++step) {
+    for (int m = 0; m < 2; ++m) {
+      loss_through(reference, batches[step * 2 + m], reach[m], nullptr).backward();
+    }
+    optimizer.step();
+    for (auto& p : trainable(reference)) p.mutable_grad().reset();
+  }
+  const auto expected = all_parameters(reference);
+  for (const StepOn step_on : {StepOn::device, StepOn::host}) {
+    Model model = fine_tune_model();
+    ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, sgd, 2, step_on));
+    for (int step = 0; step < 3; ++step) {
+      for (int m = 0; m < 2; ++m) {
+        loss_through(model, batches[step * 2 + m], reach[m], &offloader).backward();
+        EXPECT_EQ(offloader.accumulated_backwards(), m == 0 ? 1 : 0);
+      }
+    }
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      for (const auto& [name, steps] : offloader.optimizer_steps(b)) {
+        EXPECT_EQ(steps, 3) << "block " << b << " " << name;
+      }
+    }
+    const auto got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_bitwise(expected[i], got[i], "parameter " + std::to_string(i));
+    }
+  }
+}
+
+// The other way round the step cannot follow torch::optim: blocks 4 and 5 have summed
+// gradients when the last backward, where every step runs, does not reach them.
+TEST(FineTune, BlocksTheLastAccumulatingBackwardDoesNotReachAreNamed) {
+  Model model = fine_tune_model();
+  ModelOffloader offloader("blocks", model.modules(), fine_tune_options(2, FusedSGD{0.1}, 2));
+  const auto batches = micro_batches(2);
+  loss_through(model, batches[0], kBlocks, &offloader).backward();
+  expect_error([&] { loss_through(model, batches[1], 4, &offloader).backward(); },
+               "'fc1.weight' of block 4");
+  EXPECT_EQ(offloader.accumulated_backwards(), 0); // the next step starts anew
+}
+
+// A block stepped in backward that the next forward evicts: once it has left, its parameters
+// read the stepped values at once, in the middle of that pass (a weight tied into the loss, a
+// hook that logs a norm), and a loss through them is exact.
+TEST(FineTune, ABlockParameterReadInThePassAfterItsBlockLeftIsTheSteppedValue) {
+  const auto batches = micro_batches(3);
+  for (const int64_t k : {1, 2}) {
+    Model reference = fine_tune_model();
+    torch::optim::SGD optimizer(trainable(reference), torch::optim::SGDOptions(0.1));
+    Model model = fine_tune_model();
+    ModelOffloader offloader("blocks", model.modules(), fine_tune_options(k, FusedSGD{0.1}, 1));
+    for (int step = 0; step < 3; ++step) {
+      const Inputs& in = batches[step];
+      torch::Tensor x_ref = in.x;
+      torch::Tensor x = in.x;
+      torch::Tensor tied_ref, tied;
+      offloader.prepare_block_devices_before_forward();
+      for (int64_t i = 0; i < kBlocks; ++i) {
+        x_ref = reference.blocks[i]->forward(x_ref, in.context);
+        x = offloader.run_block(i, {x, in.context}, model.fn(i))[0];
+        if (i != 1) continue;
+        ASSERT_FALSE(offloader.is_resident(0)) << "K=" << k; // block 0 left after its forward
+        const torch::Tensor w = model.blocks[0]->fc1->weight;
+        expect_bitwise(reference.blocks[0]->fc1->weight.detach(), w.detach(),
+                       "K=" + std::to_string(k) + " step " + std::to_string(step));
+        tied_ref = reference.blocks[0]->fc1->weight.pow(2).sum();
+        tied = w.pow(2).sum();
+      }
+      (loss_of(x_ref) + tied_ref).backward();
+      optimizer.step();
+      for (auto& p : trainable(reference)) p.mutable_grad().reset();
+      (loss_of(x) + tied).backward();
+    }
+    const auto expected = all_parameters(reference), got = all_parameters(model);
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      expect_bitwise(expected[i], got[i],
+                     "K=" + std::to_string(k) + " parameter " + std::to_string(i));
+    }
+  }
+}
+
 // A copy failing during a step on the host (a gradient going out, a block coming in): every
 // parameter is wholly its old or its new value, and the error says which step failed.
 TEST(FineTune, AFailedCopyDuringTheHostStepLosesNoWeight) {

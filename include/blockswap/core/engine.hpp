@@ -184,8 +184,12 @@ public:
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
   void synchronize();
-  // Whether a block's write-back waits for synchronize() to reach its host copy.
+  // Whether a block off the device has a write-back that waits for synchronize() to reach its
+  // host copy (its tensors read that host copy).
   bool writing_back() const;
+  // At the end of a backward: starts the write-back of every changed block on the device that
+  // the training forward evicts (Note [write-back before the forward] in engine.cpp).
+  void write_back_early();
 
   // The optimizer step on the host (Note [host step] in engine.cpp). copy_out copies `bytes` of
   // device memory written by the computations enqueued so far (a gradient) into `host`, on the
