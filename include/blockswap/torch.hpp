@@ -134,9 +134,10 @@ struct Options : EngineOptions {
   // Full fine-tuning (above): the optimizer that steps the blocks' trainable parameters during
   // backward. Needs supports_backward.
   FusedOptimizer optimizer = {};
-  // Gradient accumulation: a step runs on every n-th backward through a block; the gradients
-  // of the backwards before it are summed in the block's memory (and swap with it), as
-  // LibTorch sums them in .grad.
+  // Gradient accumulation: every parameter steps in every n-th backward call that reaches the
+  // blocks (one per micro-batch), whichever of them reached it; the gradients of the backwards
+  // before it are summed in the block's memory (and swap with it), as LibTorch sums them in
+  // .grad (accumulated_backwards() below).
   int64_t gradient_accumulation_steps = 1;
   StepOn step_on = StepOn::automatic;
   // Gradient clipping by norm, for each parameter alone (its gradient scaled as
@@ -260,6 +261,12 @@ public:
   // micro-batches checks here that each of them had its backward: a micro-batch without one
   // would move every later step by one (docs/guide.md, "Fine-tuning").
   int64_t accumulated_backwards() const;
+  // Steps taken so far (each in the n-th backward of its accumulation): more than one since
+  // your own step means two backward calls per micro-batch (the Python optimizers check it).
+  int64_t completed_steps() const;
+  // torch.optim's zero_grad in the middle of an accumulation: drops the gradients summed so
+  // far; the count of backwards goes on (the Python optimizers' zero_grad calls it).
+  void discard_accumulated_gradients();
   // Block i's optimizer state, by name ("<parameter>.exp_avg", ".exp_avg_sq" for AdamW,
   // ".momentum_buffer" for SGD, ".state<j>" for a callback, ".grad_sum" while gradients are
   // being accumulated): tensors that read their true values wherever the block is, and that

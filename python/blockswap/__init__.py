@@ -92,6 +92,8 @@ class _FusedOptimizer(_torch.optim.Optimizer):
     def __init__(self, params, defaults):
         self._owner = None   # the ModelOffloader, weakly
         self._where = {}     # id(parameter) -> (block index, name in the block)
+        self._steps_seen = 0  # the offloader's completed steps at the last step()
+        self._closed = False  # its offloader was closed
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
@@ -128,6 +130,8 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         return {k: float(v) for k, v in self._flat(group).items()}
 
     def _attach(self, offloader, where):
+        self._steps_seen = 0
+        self._closed = False
         self._owner = _weakref.ref(offloader)
         self._where = where
         self._push_state()
@@ -135,6 +139,7 @@ class _FusedOptimizer(_torch.optim.Optimizer):
     def _detach(self):
         self._pull_state()  # the trained state stays readable after close()
         self._owner = None
+        self._closed = True
 
     # Checkpoints in torch.optim's format: the state lives in the blocks' memory, and is
     # gathered here for state_dict() and scattered back by load_state_dict().
@@ -165,6 +170,7 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         offloader = self.offloader
         if offloader is None or offloader._impl is None or not self.state:
             return
+        offloader._impl.synchronize()  # host steps of a backward that raised land first
         with _torch.no_grad():
             for p, state in self.state.items():
                 block, name = self._where[id(p)]
@@ -199,8 +205,22 @@ class _FusedOptimizer(_torch.optim.Optimizer):
             with _torch.enable_grad():
                 loss = closure()
         offloader = self.offloader
+        if offloader is None and self._closed and any(
+                p.grad is not None for p in self.param_groups[0]["params"]):
+            raise Error(f"{type(self).__name__}.step(): the offloader it stepped in was closed, "
+                        "so nothing steps these parameters any more (their .grad is left "
+                        "untouched); train with an open offloader, or with a torch.optim "
+                        "optimizer")
         if offloader is not None and offloader._impl is not None:
             counted = offloader.accumulated_backwards
+            done = offloader._impl.completed_steps()
+            ran, self._steps_seen = done - self._steps_seen, done
+            if ran > 1:
+                raise Error(f"[{offloader.block_type}] the fused step ran {ran} times since the "
+                            "last step(): each backward call counts as a micro-batch "
+                            f"(gradient_accumulation_steps={offloader._accumulation}), so "
+                            "two backward calls per micro-batch step twice. Sum the losses "
+                            "into one backward, or count both in gradient_accumulation_steps")
             if counted != 0:
                 n = offloader._accumulation
                 raise Error(f"[{offloader.block_type}] step() came after {counted} of the "
@@ -212,7 +232,12 @@ class _FusedOptimizer(_torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none=True):
-        """Nothing to zero: the fused step leaves no ``.grad`` on the blocks' parameters."""
+        """The fused step leaves no ``.grad`` on the blocks' parameters; in the middle of an
+        accumulation, the gradients summed so far are dropped, as torch.optim's zero_grad
+        drops them from ``.grad``."""
+        offloader = self.offloader
+        if offloader is not None and offloader.accumulated_backwards != 0:
+            offloader._impl.discard_accumulated_gradients()
         for group in self.param_groups:
             for p in group["params"]:
                 p.grad = None
@@ -528,7 +553,10 @@ class ModelOffloader:
     def accumulated_backwards(self):
         """With ``gradient_accumulation_steps`` n: the backwards counted toward the next fused
         step, 0 right after the n-th (the optimizer's ``step()`` checks it)."""
-        return 0 if self._impl is None else self._impl.accumulated_backwards()
+        if self._impl is None:
+            return 0
+        self._impl.synchronize()  # a backward that raised part-way does not count
+        return self._impl.accumulated_backwards()
 
     def set_optimizer_steps(self, block_idx, parameter, steps):
         """Restores the step count of block i's parameter (AdamW's bias correction)."""

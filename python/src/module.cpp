@@ -183,6 +183,9 @@ PYBIND11_MODULE(_C, m) {
       .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
       .def("accumulated_backwards",
            [](Offloader& o) { return o.get().accumulated_backwards(); })
+      .def("completed_steps", [](Offloader& o) { return o.get().completed_steps(); })
+      .def("discard_accumulated_gradients",
+           [](Offloader& o) { o.get().discard_accumulated_gradients(); }, Release())
       .def("step_on",
            [](Offloader& o) {
              return std::string(o.get().step_on() == StepOn::host ? "host" : "device");

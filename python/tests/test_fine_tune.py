@@ -437,3 +437,84 @@ def test_a_block_run_under_no_grad_in_a_training_pass_with_its_submit_outside_is
         got = train_first_frozen(blocks, optimizer, offloader)
         assert all(s == 0 for s in offloader.optimizer_steps(0).values())
     assert_same(expected, got, "block 0 under no_grad")
+
+
+def test_two_backward_calls_per_step_raise_at_step():
+    # Two losses, two backward calls, one optimizer.step(): the fused step ran twice.
+    inputs = batches(2)
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer) as offloader:
+        for x in inputs:
+            run_blocks(blocks, x, offloader).pow(2).mean().backward()
+        with pytest.raises(blockswap.Error, match="ran 2 times since the last step"):
+            optimizer.step()
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_zero_grad_in_the_middle_of_an_accumulation_drops_the_sum(step_on):
+    inputs = batches(4)
+
+    def train_with_a_dropped_micro_batch(blocks, optimizer, offloader=None):
+        for step in range(2):
+            for m in range(2):
+                if m == 1:
+                    optimizer.zero_grad(set_to_none=True)  # micro-batch 0 is thrown away
+                run_blocks(blocks, inputs[2 * step + m], offloader).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return [p.detach().clone() for b in blocks for p in b.parameters()]
+
+    reference = fine_tune_blocks()
+    expected = train_with_a_dropped_micro_batch(
+        reference, torch.optim.SGD(trainable(reference), lr=0.1, momentum=0.9))
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1, momentum=0.9)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer, step_on=step_on,
+                                  gradient_accumulation_steps=2) as offloader:
+        got = train_with_a_dropped_micro_batch(blocks, optimizer, offloader)
+    assert_same(expected, got, f"step on the {step_on}")
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_weights_written_after_an_evaluation_pass_are_trained_from(step_on):
+    # A step, an evaluation pass, then a write (EMA weights swapped in, a checkpoint loaded)
+    # into blocks that stay on the device: the next step trains from the written values.
+    inputs = batches(3)
+
+    def train_write_after_eval(blocks, optimizer, offloader=None):
+        run_blocks(blocks, inputs[0], offloader).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            run_blocks(blocks, inputs[1], offloader)
+            for block in blocks:
+                block.fc1.bias.fill_(0.5)
+        run_blocks(blocks, inputs[2], offloader).pow(2).mean().backward()
+        optimizer.step()
+        return [p.detach().clone() for b in blocks for p in b.parameters()]
+
+    reference = fine_tune_blocks()
+    expected = train_write_after_eval(reference, torch.optim.SGD(trainable(reference), lr=0.1,
+                                                                 momentum=0.9))
+    for k in (0, 2):
+        blocks = fine_tune_blocks()
+        optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1, momentum=0.9)
+        with blockswap.ModelOffloader("blocks", blocks, N, k, True, "cpu", False,
+                                      optimizer=optimizer, step_on=step_on) as offloader:
+            got = train_write_after_eval(blocks, optimizer, offloader)
+        assert_same(expected, got, f"K={k} step on the {step_on}")
+
+
+def test_step_after_the_offloader_closed_raises_when_gradients_wait():
+    blocks = fine_tune_blocks()
+    optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, "cpu", False,
+                                  optimizer=optimizer):
+        pass
+    optimizer.step()  # nothing waits: nothing to say
+    run_blocks(blocks, batches(1)[0]).pow(2).mean().backward()
+    with pytest.raises(blockswap.Error, match="was closed"):
+        optimizer.step()

@@ -252,6 +252,16 @@ void BlockBinder::check_still_frozen() const {
   }
 }
 
+void BlockBinder::save_caller_changes(int64_t block) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (PackedTensor& t : layouts_[block].tensors) {
+    if (!caller_changed(t)) continue;
+    save_changes(block, t);
+    t.bound_data = t.variable.data_ptr();
+    t.bound_version = t.variable._version();
+  }
+}
+
 void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
   PackedTensor& t = layouts_[block].tensors[index];
   t.bound_version = t.variable._version();

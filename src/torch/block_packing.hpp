@@ -101,6 +101,9 @@ public:
     return layouts_[block].tensors[index];
   }
   void written_by_blockswap(int64_t block, std::size_t index);
+  // Copies what the caller wrote into block `block`'s tensors since blockswap bound them into
+  // their host copy (which a step on the host is about to change).
+  void save_caller_changes(int64_t block);
   // The host copy of that tensor (where it is now), whatever the tensor is bound to.
   at::Tensor host_copy(int64_t block, std::size_t index) const {
     return host_view(block, layouts_[block].tensors[index]);

@@ -140,6 +140,7 @@ FineTuner::FineTuner(const Options& options, std::string label, c10::Device devi
                        : device.is_cpu()                    ? StepOn::host
                                                             : StepOn::device;
   on_host_ = enabled_ && where == StepOn::host;
+  per_pass_ = options.reentrant_activation_checkpointing;
   check(label_, optimizer_);
   BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
                   accumulation_, "; it must be at least 1");
@@ -186,6 +187,7 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   const auto names = state_names(optimizer_);
   host_.resize(layouts.size());
   host_stepped_.assign(layouts.size(), false);
+  host_saved_.assign(layouts.size(), false);
   in_flight_.assign(layouts.size(), 0);
   for (std::size_t b = 0; b < layouts.size(); ++b) {
     for (const TrainableParam& param : layouts[b].trainable) {
@@ -227,7 +229,8 @@ bool FineTuner::backward_starts(int64_t block) {
   in_backward_[block] = true;
   if (end_queued_) return false;
   end_queued_ = true;
-  ++backwards_;
+  if (!per_pass_ || !pass_counted_) ++backwards_;
+  pass_counted_ = true;
   return true;
 }
 
@@ -292,6 +295,12 @@ void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at
 // for it and steps the host copy; loads of the block wait for the worker (before_load).
 void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor& grad,
                               bool final) {
+  // The step changes the host copy: what the caller wrote into the block's tensors on the
+  // device since they were bound (weights loaded after an evaluation pass) goes there first.
+  if (!host_saved_[block]) {
+    host_saved_[block] = true;
+    binder_->save_caller_changes(block);
+  }
   HostParam& host = host_[block][param];
   const at::Tensor out = grad.contiguous();
   HostTask task{block, param,
@@ -370,9 +379,11 @@ void FineTuner::finish_host_steps() {
   }
   // The blocks stepped on the host that are still on the device get their new weights; a
   // backward through a graph that saved the old ones raises, as after torch.optim's step.
+  std::fill(host_saved_.begin(), host_saved_.end(), false);
   for (std::size_t b = 0; b < host_stepped_.size(); ++b) {
     if (!host_stepped_[b]) continue;
     host_stepped_[b] = false;
+    binder_->save_caller_changes(static_cast<int64_t>(b)); // written after the backward: kept
     for (const TrainableParam& param : binder_->layouts()[b].trainable) {
       torch::autograd::impl::bump_version(
           binder_->tensor(static_cast<int64_t>(b), param.tensor).variable);
@@ -387,10 +398,21 @@ void FineTuner::finish_host_steps() {
 void FineTuner::backward_done() {
   end_queued_ = false;
   finish_host_steps();
+  engine_->synchronize();
+  engine_->write_back_early(); // Note [write-back before the forward] in engine.cpp
+  // Reentrant checkpointing runs a backward per checkpoint inside the outer one: the step is
+  // over when the next pass starts.
+  if (!per_pass_) end_step();
+}
+
+void FineTuner::end_step() {
   std::fill(in_backward_.begin(), in_backward_.end(), false);
   std::string partial;
   const bool stepped = backwards_ >= accumulation_;
-  if (stepped) backwards_ = 0;
+  if (stepped) {
+    backwards_ = 0;
+    ++completed_steps_;
+  }
   for (std::size_t b = 0; stepped && b < params_.size(); ++b) {
     for (std::size_t p = 0; p < params_[b].size(); ++p) {
       if (!params_[b][p].summed) continue;
@@ -400,8 +422,6 @@ void FineTuner::backward_done() {
                                 layout.tensors[layout.trainable[p].tensor].name, "' of block ", b);
     }
   }
-  engine_->synchronize();
-  engine_->write_back_early(); // Note [write-back before the forward] in engine.cpp
   BLOCKSWAP_CHECK(partial.empty(), "[", label_, "] parameter(s) ", partial,
                   " got gradients in earlier accumulating backwards but none in the last one "
                   "(backward ",
@@ -411,14 +431,30 @@ void FineTuner::backward_done() {
                   "trains in the last backward of each step, or accumulate over one backward");
 }
 
+void FineTuner::pass_starts() {
+  close_failed_backward();
+  if (per_pass_ && pass_counted_) {
+    pass_counted_ = false;
+    end_step();
+  }
+}
+
 void FineTuner::close_failed_backward() {
   if (!end_queued_) return;
   end_queued_ = false; // the backward failed before its end: it does not count
-  --backwards_;
+  if (!per_pass_ || pass_counted_) --backwards_;
+  pass_counted_ = false;
   std::fill(in_backward_.begin(), in_backward_.end(), false);
   // The steps it took stand (as those on the device do): those on the host finish, and the
   // blocks they changed that are on the device take the new weights.
   finish_host_steps();
+}
+
+void FineTuner::discard_accumulated_gradients() {
+  drain();
+  for (auto& block : params_) {
+    for (Param& p : block) p.summed = false; // the next backward's gradient replaces the sum
+  }
 }
 
 void FineTuner::set_learning_rate(double lr) {

@@ -61,8 +61,19 @@ public:
   // A forward pass starts, or the caller synchronizes: a backward that failed part-way is not
   // counted, and the steps it took on the host finish (on the device blocks too).
   void close_failed_backward();
+  // A forward pass starts (after close_failed_backward): with reentrant checkpointing, the
+  // step of the backwards since the last pass ends here.
+  void pass_starts();
   // Backwards counted toward the next step: 0 right after a step (and without accumulation).
-  int64_t accumulated_backwards() const { return backwards_; }
+  int64_t accumulated_backwards() const { return backwards_ >= accumulation_ ? 0 : backwards_; }
+  // Steps completed so far (each ends at the n-th backward): the Python optimizers' step()
+  // sees whether more than one ran since it was last called.
+  int64_t completed_steps() const {
+    return completed_steps_ + (backwards_ >= accumulation_ ? 1 : 0);
+  }
+  // torch.optim's zero_grad in the middle of an accumulation: the gradients summed so far are
+  // dropped; the count of backwards goes on.
+  void discard_accumulated_gradients();
 
   void set_learning_rate(double lr);
   void set_optimizer(const FusedOptimizer& optimizer);
@@ -100,6 +111,7 @@ private:
   // stepped blocks that are on the device, and throws Error for a host step that failed.
   void finish_host_steps();
   void wait_for_block(int64_t block);
+  void end_step(); // after the backward(s) of a step: the count, parameters left unstepped
 
   bool enabled_ = false;
   bool on_host_ = false;
@@ -115,9 +127,13 @@ private:
   int64_t backwards_ = 0;         // backward calls since the last step, the running one too
   std::vector<bool> in_backward_; // blocks the backward now running reached
   bool end_queued_ = false;
+  bool per_pass_ = false;     // reentrant checkpointing: one backward per pass counts
+  bool pass_counted_ = false; // this pass's backward is counted
+  int64_t completed_steps_ = 0;
 
   std::vector<std::vector<HostParam>> host_;
   std::vector<bool> host_stepped_; // host steps changed the block in this backward
+  std::vector<bool> host_saved_;   // the caller's writes to the block saved in this backward
   std::mutex mutex_;               // guards what the worker shares
   std::condition_variable changed_;
   std::deque<HostTask> tasks_;

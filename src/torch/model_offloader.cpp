@@ -166,7 +166,7 @@ public:
 
   void prepare() {
     binder_.check_still_frozen();
-    fine_tuner_.close_failed_backward();
+    fine_tuner_.pass_starts();
     commit_write_backs(); // a pass that stopped before the last block left some
     engine_->prepare();
   }
@@ -468,6 +468,14 @@ StepOn ModelOffloader::step_on() const {
 
 int64_t ModelOffloader::accumulated_backwards() const {
   return impl_->fine_tuner().accumulated_backwards();
+}
+
+int64_t ModelOffloader::completed_steps() const {
+  return impl_->fine_tuner().completed_steps();
+}
+
+void ModelOffloader::discard_accumulated_gradients() {
+  impl_->fine_tuner().discard_accumulated_gradients();
 }
 
 std::vector<std::pair<std::string, at::Tensor>>

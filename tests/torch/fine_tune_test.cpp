@@ -273,33 +273,40 @@ TEST(FineTune, TheAutomaticChoiceOnTheEmulatedDeviceIsTheStepOnTheHost) {
 TEST(FineTune, ReentrantCheckpointingIsExact) {
   // The caller's own reentrant checkpointing (every other block, not the first: its input
   // needs no gradient, so a reentrant checkpoint around it would have no backward at all): the
-  // recompute's backward runs nested in the outer one, and each block steps there.
+  // recompute's backward runs nested in the outer one, and each block steps there. With
+  // accumulation, the nested backwards of one pass count as one micro-batch.
   FusedAdamW adamw;
   adamw.lr = 0.01;
-  const Trained expected =
-      train_reference<torch::optim::AdamW>(torch::optim::AdamWOptions(0.01), 1);
-  for (int64_t k : {0, 2, 4}) {
-    Model model = fine_tune_model();
-    Options o = fine_tune_options(k, adamw, 1);
-    o.reentrant_activation_checkpointing = true;
-    Trained got;
-    {
-      ModelOffloader offloader("blocks", model.modules(), o);
-      const auto batches = micro_batches(kSteps);
-      for (int step = 0; step < kSteps; ++step) {
-        offloader.prepare_block_devices_before_forward();
-        torch::Tensor h = batches[step].x;
-        for (int64_t i = 0; i < kBlocks; ++i) {
-          h = i % 2 == 1 ? Checkpoint::apply(h, batches[step].context, &offloader, i, &model)[0]
-                         : offloader.run_block(i, {h, batches[step].context}, model.fn(i))[0];
+  for (const int accumulation : {1, 2}) {
+    const Trained expected =
+        train_reference<torch::optim::AdamW>(torch::optim::AdamWOptions(0.01), accumulation);
+    for (int64_t k : {0, 2, 4}) {
+      Model model = fine_tune_model();
+      Options o = fine_tune_options(k, adamw, accumulation);
+      o.reentrant_activation_checkpointing = true;
+      Trained got;
+      {
+        ModelOffloader offloader("blocks", model.modules(), o);
+        const auto batches = micro_batches(kSteps * accumulation);
+        for (int pass = 0; pass < kSteps * accumulation; ++pass) {
+          offloader.prepare_block_devices_before_forward();
+          torch::Tensor h = batches[pass].x;
+          for (int64_t i = 0; i < kBlocks; ++i) {
+            h = i % 2 == 1
+                    ? Checkpoint::apply(h, batches[pass].context, &offloader, i, &model)[0]
+                    : offloader.run_block(i, {h, batches[pass].context}, model.fn(i))[0];
+          }
+          const torch::Tensor loss = loss_of(h);
+          loss.backward();
+          got.losses.push_back(loss.detach());
+          EXPECT_EQ(offloader.accumulated_backwards(), (pass + 1) % accumulation);
         }
-        const torch::Tensor loss = loss_of(h);
-        loss.backward();
-        got.losses.push_back(loss.detach());
+        got.parameters = all_parameters(model);
       }
-      got.parameters = all_parameters(model);
+      expect_same(expected, got,
+                  "reentrant checkpointing K=" + std::to_string(k) + " accumulation " +
+                      std::to_string(accumulation));
     }
-    expect_same(expected, got, "reentrant checkpointing K=" + std::to_string(k));
   }
 }
 
