@@ -175,6 +175,21 @@ std::string name(int64_t k, int accumulation, Verbs verbs) {
          (verbs == Verbs::run_block ? " run_block" : " by hand");
 }
 
+// With and without accumulation, every K, both ways of calling: bitwise LibTorch's `Optimizer`.
+template <typename Optimizer, typename OptimizerOptions>
+void expect_bitwise_for_every_k(const OptimizerOptions& options, const FusedOptimizer& fused,
+                                const std::string& what) {
+  for (int accumulation : {1, 2}) {
+    const Trained expected = train_reference<Optimizer>(options, accumulation);
+    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
+      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
+        expect_same(expected, train_swapped(k, fused, accumulation, verbs),
+                    what + name(k, accumulation, verbs));
+      }
+    }
+  }
+}
+
 TEST(FineTune, SgdWithMomentumIsBitwiseLibTorchsSgdForEveryK) {
   FusedSGD sgd;
   sgd.lr = 0.05;
@@ -183,15 +198,7 @@ TEST(FineTune, SgdWithMomentumIsBitwiseLibTorchsSgdForEveryK) {
   sgd.weight_decay = 0.01;
   const auto options =
       torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01);
-  for (int accumulation : {1, 2}) {
-    const Trained expected = train_reference<torch::optim::SGD>(options, accumulation);
-    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
-      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
-        expect_same(expected, train_swapped(k, sgd, accumulation, verbs),
-                    "SGD " + name(k, accumulation, verbs));
-      }
-    }
-  }
+  expect_bitwise_for_every_k<torch::optim::SGD>(options, sgd, "SGD ");
 }
 
 // Note [host step]: the gradients go to host memory, the CPU steps the host copy; the same
@@ -329,15 +336,7 @@ TEST(FineTune, AdamWIsBitwiseLibTorchsAdamWForEveryK) {
   adamw.lr = 0.01;
   adamw.weight_decay = 0.1;
   const auto options = torch::optim::AdamWOptions(0.01).weight_decay(0.1);
-  for (int accumulation : {1, 2}) {
-    const Trained expected = train_reference<torch::optim::AdamW>(options, accumulation);
-    for (int64_t k = 0; k <= kBlocks - 2; ++k) {
-      for (Verbs verbs : {Verbs::run_block, Verbs::by_hand}) {
-        expect_same(expected, train_swapped(k, adamw, accumulation, verbs),
-                    "AdamW " + name(k, accumulation, verbs));
-      }
-    }
-  }
+  expect_bitwise_for_every_k<torch::optim::AdamW>(options, adamw, "AdamW ");
 }
 
 TEST(FineTune, ACallbackStepsEachParameterWithItsState) {
