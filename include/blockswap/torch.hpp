@@ -108,6 +108,28 @@ using FusedOptimizer = std::variant<std::monostate, FusedSGD, FusedAdamW, FusedC
 // emulated device (a CPU), device on a GPU.
 enum class StepOn { automatic, device, host };
 
+// Data-parallel ranks of one node reading one host copy of the swapped weights
+// (docs/distributed.md). Every local rank builds its offloaders with the same blocks in the same
+// order; the constructor is collective over the node's ranks. Local rank 0 packs the frozen
+// weights into node-shared memory (core/node_memory.hpp) and publishes it through the job's
+// store; the others map it and never copy it (their own frozen tensors, which may be on the
+// meta device, are only read for their shapes and dtypes, and then released): every rank's
+// frozen weights are local rank 0's, as DistributedDataParallel makes every rank's parameters
+// rank 0's. Those weights may not change while the offloader lives (a write raises
+// blockswap::Error), nor may anything train in the blocks' packed memory (no `optimizer`).
+// Device slots, the copy stream, adapters and their gradients stay per rank.
+struct NodeSharing {
+  // The job's rendezvous, in practice the c10d store of its process group
+  // (blockswap/distributed.hpp makes one from a c10d::Store): `set` publishes a value under a
+  // key; `get` returns it, waiting until it is set, and throws when that takes longer than the
+  // store's timeout (a rank that died, a rank that never builds the offloader).
+  std::function<void(const std::string& key, const std::string& value)> set;
+  std::function<std::string(const std::string& key)> get;
+  int64_t local_rank = 0;       // this process's rank among the node's ranks
+  int64_t local_world_size = 1; // the node's ranks
+  explicit operator bool() const { return static_cast<bool>(set) || static_cast<bool>(get); }
+};
+
 // The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
 // here -1 lets the planner choose), supports_backward, rotating_slots (forward-only R, 1 <= R
 // <= N-K, K+R blocks load per pass; 0 = layout::default_rotating_slots; N-K is the seed's cyclic
@@ -148,6 +170,9 @@ struct Options : EngineOptions {
   // one-element stack of norms and differs from LibTorch's in the last bit; the Python package
   // sets it.
   bool clip_as_python = false;
+  // Several ranks of a node share the frozen weights' host copy (above); empty: this process
+  // holds its own.
+  NodeSharing node_sharing = {};
 };
 
 // A Device for offloaders to share (Options::shared_device): kCPU is the emulated device,

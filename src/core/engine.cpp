@@ -174,6 +174,13 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
       is_forward_only_(!options_.supports_backward) {
   BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_, "] the engine needs a backend");
+  BLOCKSWAP_CHECK(options_.host_memory.empty() || options_.algorithm != Algorithm::seed, "[",
+                  label_, "] the seed's replay copies every block back to host memory, which "
+                  "EngineOptions::host_memory does not allow");
+  BLOCKSWAP_CHECK(options_.host_memory.empty() ||
+                      options_.host_memory.size() == block_bytes.size(),
+                  "[", label_, "] host_memory has ", options_.host_memory.size(), " entries for ",
+                  block_bytes.size(), " blocks: give one per block, or none");
   BLOCKSWAP_CHECK(options_.trainable_bytes.empty() ||
                       options_.trainable_bytes.size() == block_bytes.size(),
                   "[", label_, "] trainable_bytes has ", options_.trainable_bytes.size(),
@@ -192,10 +199,22 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   for (std::size_t i = 0; i < block_bytes.size(); ++i) {
     BlockState& block = blocks_[i];
     block.bytes = block_bytes[i];
-    block.trainable = options_.trainable_bytes.empty() ? block.bytes : options_.trainable_bytes[i];
+    block.trainable = !options_.trainable_bytes.empty() ? options_.trainable_bytes[i]
+                      : options_.host_memory.empty()    ? block.bytes
+                                                        : 0;
     BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label_, "] block ", i, " has ",
                     block.bytes, " bytes, fewer than its ", block.trainable, " trainable bytes");
-    block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
+    if (options_.host_memory.empty()) {
+      block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
+    } else {
+      block.host = options_.host_memory[i];
+      BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label_,
+                      "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
+                      block.bytes, " bytes");
+      BLOCKSWAP_CHECK(block.trainable == 0, "[", label_, "] block ", i,
+                      " has trainable bytes, which cannot live in host memory the engine does "
+                      "not own (EngineOptions::host_memory)");
+    }
     block.loaded = backend_->make_event();
   }
   slot_bytes_ = layout::slot_bytes(block_bytes);

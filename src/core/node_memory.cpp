@@ -75,7 +75,7 @@ NodeMemoryTicket NodeMemoryTicket::parse(const std::string& text) {
 
 NodeMemory NodeMemory::create(const std::string& label, std::size_t bytes) {
   NodeMemory m;
-  m.fd_ = memfd_create(label.c_str(), MFD_CLOEXEC);
+  m.fd_ = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   BLOCKSWAP_CHECK(m.fd_ >= 0, system_error("node memory: memfd_create"));
   m.mapped_ = page_size() + round_up(bytes, page_size());
   BLOCKSWAP_CHECK(ftruncate(m.fd_, static_cast<off_t>(m.mapped_)) == 0,
@@ -110,7 +110,9 @@ NodeMemory NodeMemory::open(const NodeMemoryTicket& ticket) {
   struct stat st {};
   const std::size_t needed = page_size() + round_up(ticket.bytes, page_size());
   const bool sized = fstat(m.fd_, &st) == 0 && static_cast<std::size_t>(st.st_size) == needed;
-  void* p = sized ? mmap(nullptr, needed, PROT_READ, MAP_SHARED, m.fd_, 0) : MAP_FAILED;
+  // Note [copy on write]
+  void* p = sized ? mmap(nullptr, needed, PROT_READ | PROT_WRITE, MAP_PRIVATE, m.fd_, 0)
+                  : MAP_FAILED;
   if (p != MAP_FAILED) {
     m.mapping_ = static_cast<std::byte*>(p);
     m.mapped_ = needed;
@@ -129,10 +131,18 @@ NodeMemory NodeMemory::open(const NodeMemoryTicket& ticket) {
   return m;
 }
 
+// Note [copy on write]
+// Once sealed, every process maps the memory private and writable: it reads the node's one copy
+// of each page until it writes the page, which then becomes its own (the kernel copies it). A
+// rank that writes a weight changes its own model only, and never faults; blockswap refuses such
+// writes where it sees them (the front end), since they cost the sharing they touch. The file
+// itself is sealed against writes, so no process can change what the others read.
 void NodeMemory::seal() {
   if (!writable_) return;
-  BLOCKSWAP_CHECK(mprotect(mapping_, mapped_, PROT_READ) == 0,
-                  system_error("node memory: mprotect"));
+  void* p = mmap(mapping_, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_, 0);
+  BLOCKSWAP_CHECK(p == mapping_, system_error("node memory: mapping it copy-on-write"));
+  BLOCKSWAP_CHECK(fcntl(fd_, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0,
+                  system_error("node memory: sealing"));
   writable_ = false;
 }
 

@@ -71,6 +71,9 @@ public:
 
   std::string name() const override { return state_->backend->name(); }
   Buffer allocate_host(std::size_t bytes) override { return state_->backend->allocate_host(bytes); }
+  Buffer pin_host(std::byte* data, std::size_t bytes) override {
+    return state_->backend->pin_host(data, bytes);
+  }
 
   Buffer allocate_device(std::size_t bytes) override {
     {

@@ -184,12 +184,14 @@ void BlockBinder::bind(PackedTensor& t, const at::Tensor& data) {
 // inference tensor, which autograd refuses to save; the module's tensors must stay normal
 // ones, so every view is made with inference mode off.
 
-void BlockBinder::pack(Engine& engine) {
+void BlockBinder::pack(Engine& engine, HostCopies copies) {
   const c10::InferenceMode normal(false); // Note [inference mode]
+  shared_ = copies != HostCopies::own;
   // First the copies, which may fail: nothing the caller sees changes until they are done.
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
     trainable_hosts_.push_back(HostRegion{hosts_.back(), layouts_[b].trainable_offset});
+    if (copies == HostCopies::shared_filled) continue;
     for (const PackedTensor& t : layouts_[b].tensors) {
       if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
         const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
@@ -234,6 +236,12 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
                   t.name, "' of block ", block, " was replaced by one of shape ", now.sizes(),
                   " and dtype ", now.scalar_type(), " where the block has ", at::IntArrayRef(t.sizes),
                   " and ", t.dtype, ": a swapped block's tensors keep their shape and dtype");
+  BLOCKSWAP_CHECK(!shared_ || t.role != Role::frozen, "frozen tensor '", t.name, "' of block ",
+                  block, " was changed, but its host copy is the node's, shared by every rank "
+                  "(Options::node_sharing): load or change frozen weights before building the "
+                  "offloader (on local rank 0, whose weights every rank reads); with "
+                  "DistributedDataParallel, which broadcasts every parameter when it is built, "
+                  "make it ignore the swapped ones (docs/distributed.md)");
   const at::Tensor host = host_view(block, t);
   if (now.data_ptr() != host.data_ptr()) {
     at::NoGradGuard no_grad;

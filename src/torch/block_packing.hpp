@@ -84,9 +84,14 @@ public:
   BlockBinder(std::vector<BlockLayout> layouts, c10::Device device, bool strict);
 
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
-  // Copies every block's tensors into the engine's host buffers, then points them at those
-  // copies and claims them. All or nothing: when it throws, no tensor has changed.
-  void pack(Engine& engine);
+  // Where the host copies are: the engine's own, which pack() fills; node-shared memory
+  // (Options::node_sharing) that this process fills, or that another rank of the node filled
+  // and pack() only binds to. The caller's writes into node-shared frozen weights raise.
+  enum class HostCopies { own, shared_fill, shared_filled };
+  // Copies every block's tensors into the engine's host buffers (unless `copies` is
+  // shared_filled), then points them at those copies and claims them. All or nothing: when it
+  // throws, no tensor has changed.
+  void pack(Engine& engine, HostCopies copies = HostCopies::own);
   // Saves what the caller changed, points every packed tensor at its host copy (sharing the
   // buffer, which outlives the engine) and releases the claims. Never throws.
   void restore_to_host();
@@ -129,6 +134,7 @@ private:
   std::vector<HostRegion> trainable_hosts_;
   c10::Device device_;
   bool strict_ = false;
+  bool shared_ = false; // node-shared host copies (pack)
 };
 
 } // namespace blockswap::torch_frontend

@@ -7,6 +7,7 @@
 
 #include "block_autograd.hpp"
 #include "block_packing.hpp"
+#include "node_sharing.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
 #include "cuda_stream.hpp"
@@ -110,7 +111,24 @@ public:
         fine_tuner_(options_, label_, torch_device_), blocks_(std::move(blocks)),
         binder_(checked_layouts(label_, blocks_, torch_device_, fine_tuner_.packing()),
                 torch_device_, options_.strict_residency) {
+    try {
+      build();
+    } catch (const std::exception& e) {
+      if (share_) share_->fail(e.what()); // the node's other ranks wait for nothing
+      throw;
+    }
+  }
+
+  void build() {
     EngineOptions engine_options = options_;
+    if (share_) {
+      BLOCKSWAP_CHECK(!fine_tuner_.enabled(), "[", label_, "] Options::optimizer trains the "
+                      "blocks' weights in their host copy, which Options::node_sharing shares "
+                      "with the node's other ranks read-only: with node sharing, train adapters "
+                      "(LoRA) and leave the optimizer unset");
+      share_->open(binder_.layouts()); // local rank 0's memory, or a new one on local rank 0
+      engine_options.host_memory = share_->host_memory();
+    }
     if (fine_tuner_.enabled()) {
       engine_options.trainable_bytes.clear();
       for (const auto& layout : binder_.layouts()) {
@@ -122,10 +140,24 @@ public:
     blocks_to_swap_ = engine_options.blocks_to_swap;
     std::vector<std::size_t> bytes;
     for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
-    engine_ = std::make_unique<Engine>(device_->attach(label_), std::move(bytes),
-                                       std::move(engine_options), label_);
+    const std::shared_ptr<Backend> backend = device_->attach(label_);
+    engine_ = std::make_unique<Engine>(backend, std::move(bytes), std::move(engine_options),
+                                       label_);
     auto resident = resident_on(blocks_, torch_device_, fine_tuner_.enabled());
-    binder_.pack(*engine_); // the last step that can fail; it changes nothing when it does
+    using HostCopies = torch_frontend::BlockBinder::HostCopies;
+    const HostCopies copies = !share_           ? HostCopies::own
+                              : share_->fills() ? HostCopies::shared_fill
+                                                : HostCopies::shared_filled;
+    binder_.pack(*engine_, copies); // it changes nothing when it fails
+    if (share_) {
+      try {
+        share_->publish(); // local rank 0 waits here until every other local rank has mapped it
+      } catch (...) {
+        binder_.restore_to_host();
+        throw;
+      }
+      share_->pin(*backend);
+    }
     for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
     outputs_seen_.assign(blocks_.size(), false);
@@ -306,6 +338,11 @@ private:
 
   Options options_;
   std::string label_;
+  // Before everything that can fail: a rank that fails tells the node's others (its destructor).
+  std::unique_ptr<torch_frontend::NodeShare> share_ =
+      options_.node_sharing
+          ? std::make_unique<torch_frontend::NodeShare>(options_.node_sharing, label_)
+          : nullptr;
   std::weak_ptr<Impl> self_;
   std::shared_ptr<Device> device_;
   c10::Device torch_device_;

@@ -108,6 +108,51 @@ TEST(Engine, TrainingStepLoadsTwoKBlocksAndCopiesNothingBack) {
   EXPECT_EQ(stats.peak_device_bytes, 18u * 4096 * sizeof(float));
 }
 
+// EngineOptions::host_memory: the caller's host copies (node-shared weights) are used as they
+// are, never copied into or written; nothing of them may change on the device.
+TEST(Engine, HostMemoryOfTheCallersIsUsedInPlace) {
+  const FakeModel model = uniform(6);
+  std::vector<std::vector<std::byte>> storage;
+  std::vector<std::shared_ptr<Buffer>> host;
+  for (std::size_t bytes : model.bytes()) {
+    storage.emplace_back(bytes + 64);
+    host.push_back(std::make_shared<Buffer>(storage.back().data(), bytes + 64, nullptr));
+  }
+  Engine engine(slow_device(), model.bytes(),
+                {.blocks_to_swap = 2, .supports_backward = true, .host_memory = host});
+  for (int64_t b = 0; b < 6; ++b) ASSERT_EQ(engine.host_data(b), storage[b].data());
+  model.fill(engine);
+  const auto before = model.snapshot(engine);
+  for (int step = 0; step < 2; ++step) {
+    engine.prepare();
+    forward(engine, model);
+    backward(engine, model);
+    if (HasFatalFailure()) return;
+  }
+  engine.synchronize();
+  EXPECT_EQ(engine.stats().d2h_bytes, 0u);
+  EXPECT_EQ(model.snapshot(engine), before);
+  engine.prepare();
+  engine.wait_for_block(0);
+  EXPECT_THROW(engine.mark_dirty(0), Error); // no trainable bytes: nothing may change
+
+  const auto refused = [&](EngineOptions options, const std::string& words) {
+    try {
+      Engine bad(slow_device(), model.bytes(), std::move(options));
+      ADD_FAILURE() << "accepted: " << words;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+    }
+  };
+  refused({.host_memory = {host.begin(), host.begin() + 3}}, "one per block");
+  refused({.trainable_bytes = std::vector<std::size_t>(6, 4), .host_memory = host},
+          "trainable bytes");
+  refused({.algorithm = Algorithm::seed, .host_memory = host}, "seed");
+  auto small = host;
+  small[2] = std::make_shared<Buffer>(storage[2].data(), 8, nullptr);
+  refused({.host_memory = small}, "block 2");
+}
+
 // The front end's backward: before block b's backward, acquire_for_backward puts it back into
 // the slot its forward ran in (autograd's saved views point there).
 struct Graph {

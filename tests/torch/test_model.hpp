@@ -7,6 +7,7 @@
 #include <torch/torch.h>
 
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -90,6 +91,8 @@ struct Model {
 struct Inputs {
   torch::Tensor x, context;
   Inputs() {
+    static std::mutex seeding; // torch's generator is the process's (ranks as threads)
+    std::lock_guard lock(seeding);
     torch::manual_seed(11);
     x = torch::randn({2, 5, kDim}).to(kDevice);
     context = torch::randn({2, 5, kDim}).to(kDevice);

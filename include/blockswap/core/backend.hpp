@@ -93,6 +93,11 @@ public:
   virtual std::string name() const = 0;
   // Host memory for a block's weights, page-locked when possible. Synchronous.
   virtual Buffer allocate_host(std::size_t bytes) = 0;
+  // Page-locks `bytes` of host memory allocated elsewhere (EngineOptions::host_memory: the
+  // node-shared weights, which the device only reads) while the returned Buffer lives; that
+  // Buffer frees nothing else. Empty where the backend does not pin host memory, or where the
+  // system refuses (its copies are then staged: slower, still right). Synchronous.
+  virtual Buffer pin_host(std::byte* /*data*/, std::size_t /*bytes*/) { return {}; }
   // Device memory. Synchronous. Throws OutOfMemory naming the sizes when it does not fit.
   virtual Buffer allocate_device(std::size_t bytes) = 0;
   // Enqueues a host-to-device copy on the copy stream; returns at once. `tag` is reported to

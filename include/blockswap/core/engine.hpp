@@ -47,6 +47,12 @@ struct EngineOptions {
   // is marked dirty; the bytes before them are frozen and never copied back. Empty: all of
   // every block's bytes.
   std::vector<std::size_t> trainable_bytes = {};
+  // Per block, host memory the caller holds for its packed weights instead of the backend's
+  // (the node-shared copy of data-parallel ranks, core/node_memory.hpp): at least the block's
+  // bytes, filled by the caller, who page-locks it if it should be (Backend::pin_host). The
+  // engine never writes it, so its blocks may not change on the device (no trainable bytes).
+  // Empty: the engine allocates every block's.
+  std::vector<std::shared_ptr<Buffer>> host_memory = {};
 };
 
 struct Stats {

@@ -5,7 +5,7 @@
 // is left behind when the last process that maps it ends, however it ends (killed included).
 // The process that creates it publishes a Ticket through the job's rendezvous (the c10d store);
 // the others open the file through /proc/<pid>/fd/<fd> while the creator lives, map it
-// read-only, and check the ticket's nonce in its header, so a ticket left in a store by an
+// copy-on-write (what a process writes stays its own; the shared pages never change), and check the ticket's nonce in its header, so a ticket left in a store by an
 // earlier job (whose process and descriptor numbers may since be reused) is refused, never used.
 #pragma once
 
@@ -32,7 +32,7 @@ public:
   // `bytes` of zeroed, writable memory; `label` names it in /proc/<pid>/maps ("memfd:...").
   // Throws Error when the system refuses (no memfd, no memory).
   static NodeMemory create(const std::string& label, std::size_t bytes);
-  // The memory of another process of this node, read-only. Throws Error when the creator has
+  // The memory of another process of this node, copy-on-write. Throws Error when the creator has
   // ended, when /proc does not let this process open its descriptor, or when what it opens is
   // not the memory the ticket describes (a stale ticket from an earlier job).
   static NodeMemory open(const NodeMemoryTicket& ticket);
@@ -46,10 +46,12 @@ public:
 
   std::byte* data() const { return data_; } // page-aligned
   std::size_t size() const { return bytes_; }
+  // Whether writes reach the other processes (the creator, before seal()).
   bool writable() const { return writable_; }
   // Valid while this (creating) object lives.
   const NodeMemoryTicket& ticket() const { return ticket_; }
-  // The creator, once it has filled the memory: read-only from now on, for it too.
+  // The creator, once it has filled the memory: the shared pages never change from now on; the
+  // creator's mapping becomes copy-on-write like the others'. writable() is false after it.
   void seal();
 
 private:

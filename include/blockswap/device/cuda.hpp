@@ -36,6 +36,7 @@ public:
 
   std::string name() const override;
   Buffer allocate_host(std::size_t bytes) override;
+  Buffer pin_host(std::byte* data, std::size_t bytes) override;
   Buffer allocate_device(std::size_t bytes) override;
   void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
                       int64_t tag) override;

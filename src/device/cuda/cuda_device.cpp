@@ -145,6 +145,22 @@ std::string CudaDevice::name() const {
   return "cuda:" + std::to_string(state_->options.device);
 }
 
+// Read-only registration: the pages are the node's shared copy, mapped copy-on-write
+// (core/node_memory.hpp); pinning them for writing would make each process copy them.
+Buffer CudaDevice::pin_host(std::byte* data, std::size_t bytes) {
+  DeviceScope scope(state_->options.device);
+  const cudaError_t error =
+      cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+  if (error != cudaSuccess) {
+    cudaGetLastError();
+    warn_pageable_once(bytes, error);
+    return {};
+  }
+  return Buffer(data, bytes, [](std::byte* p, std::size_t) {
+    BLOCKSWAP_CUDA_LOG(cudaHostUnregister(p));
+  });
+}
+
 Buffer CudaDevice::allocate_host(std::size_t bytes) {
   DeviceScope scope(state_->options.device);
   const std::size_t size = std::max<std::size_t>(bytes, 1);

@@ -1,0 +1,185 @@
+#include "node_sharing.hpp"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <utility>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
+
+// Note [node sharing protocol]
+// The keys are "blockswap/<host>/<label>/<n>/...": the node's ranks find each other by host
+// name, and the n-th offloader of a label that a process builds meets the n-th of every other
+// rank of the node (every rank builds the same offloaders in the same order). Local rank 0 sets
+// "ticket" to "ok <fingerprint> <ticket>" once the memory is filled and sealed, or to
+// "failed <why>"; each other local rank r sets "opened/<r>" to "ok" once it has mapped the
+// memory, or to "failed <why>". Local rank 0 waits for every "opened/<r>" before its
+// constructor returns: the others open the memory through its /proc entry, so it must live
+// until they have. A rank that dies before setting its key makes the others' get() throw when
+// the store's timeout runs out; a rank that dies later makes the job's next collective fail
+// (Gloo, NCCL) while the others keep their mappings. The memory itself has no name anywhere
+// (core/node_memory.hpp): it goes with the last process that maps it, however that ends.
+
+namespace blockswap::torch_frontend {
+namespace {
+
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "localhost";
+  return name;
+}
+
+// The n-th offloader of this label that this process builds.
+int64_t next_sequence(const std::string& label) {
+  static std::mutex mutex;
+  static std::map<std::string, int64_t> built;
+  std::lock_guard lock(mutex);
+  return built[label]++;
+}
+
+// What every rank's blocks must agree on: each tensor's name, place, shape and dtype.
+std::string fingerprint(const std::vector<BlockLayout>& layouts) {
+  std::ostringstream text;
+  std::size_t bytes = 0;
+  for (const BlockLayout& layout : layouts) {
+    bytes += layout.bytes;
+    text << layout.bytes << ';';
+    for (const PackedTensor& t : layout.tensors) {
+      text << t.name << '@' << t.offset << ':' << static_cast<int>(t.dtype);
+      for (int64_t size : t.sizes) text << ',' << size;
+      text << ';';
+    }
+  }
+  std::uint64_t hash = 1469598103934665603ull; // FNV-1a
+  for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
+  std::ostringstream out;
+  out << layouts.size() << "-blocks-" << bytes << "-bytes-" << std::hex << hash;
+  return out.str();
+}
+
+// Each block's part of the memory starts on a page of its own, so that pinning or unmapping
+// one never touches another.
+std::vector<std::size_t> block_offsets(const std::vector<BlockLayout>& layouts,
+                                       std::size_t& total) {
+  const std::size_t page = static_cast<std::size_t>(sysconf(_SC_PAGESIZE));
+  std::vector<std::size_t> offsets;
+  total = 0;
+  for (const BlockLayout& layout : layouts) {
+    offsets.push_back(total);
+    total += (std::max<std::size_t>(layout.bytes, 1) + page - 1) / page * page;
+  }
+  return offsets;
+}
+
+std::pair<std::string, std::string> split_word(const std::string& text) {
+  const auto space = text.find(' ');
+  if (space == std::string::npos) return {text, ""};
+  return {text.substr(0, space), text.substr(space + 1)};
+}
+
+} // namespace
+
+NodeShare::NodeShare(NodeSharing sharing, std::string label)
+    : sharing_(std::move(sharing)), label_(std::move(label)) {
+  BLOCKSWAP_CHECK(sharing_.set && sharing_.get, "[", label_,
+                  "] Options::node_sharing needs both set and get (the job's store)");
+  BLOCKSWAP_CHECK(sharing_.local_world_size >= 1 && sharing_.local_rank >= 0 &&
+                      sharing_.local_rank < sharing_.local_world_size,
+                  "[", label_, "] Options::node_sharing has local rank ", sharing_.local_rank,
+                  " of ", sharing_.local_world_size,
+                  ": give this process's rank among the node's ranks, from 0");
+  prefix_ = detail::concat("blockswap/", host_name(), "/", label_, "/", next_sequence(label_), "/");
+}
+
+void NodeShare::open(const std::vector<BlockLayout>& layouts) {
+  fingerprint_ = fingerprint(layouts);
+  std::size_t total = 0;
+  const std::vector<std::size_t> offsets = block_offsets(layouts, total);
+  if (fills()) {
+    memory_ = std::make_shared<NodeMemory>(NodeMemory::create("blockswap-" + label_, total));
+  } else {
+    const std::string value = get("ticket", "local rank 0's node-shared weights");
+    const auto [status, rest] = split_word(value);
+    if (status != "ok") {
+      throw Error(detail::concat("[", label_, "] local rank 0 could not build its offloader, "
+                                 "so this rank has no weights to share: ",
+                                 rest.empty() ? value : rest));
+    }
+    const auto [their_fingerprint, ticket] = split_word(rest);
+    if (their_fingerprint != fingerprint_) {
+      fail("its blocks differ from local rank 0's");
+      throw Error(detail::concat(
+          "[", label_, "] this rank's blocks (", fingerprint_, ") differ from local rank 0's (",
+          their_fingerprint, "): every rank of the node must build its offloaders over the same "
+          "model, with the same frozen tensors, in the same order"));
+    }
+    try {
+      memory_ = std::make_shared<NodeMemory>(NodeMemory::open(NodeMemoryTicket::parse(ticket)));
+    } catch (const Error& e) {
+      fail(e.what());
+      throw Error(detail::concat("[", label_, "] ", e.what()));
+    }
+  }
+  for (std::size_t b = 0; b < layouts.size(); ++b) {
+    blocks_.push_back(std::make_shared<Buffer>(memory_->data() + offsets[b], layouts[b].bytes,
+                                               [keep = memory_](std::byte*, std::size_t) {}));
+  }
+}
+
+NodeShare::~NodeShare() {
+  fail("it failed or ended before it could share the node's weights (its own error says why)");
+}
+
+std::string NodeShare::get(const std::string& name, const std::string& waiting_for) const {
+  try {
+    return sharing_.get(key(name));
+  } catch (const std::exception& e) {
+    throw Error(detail::concat("[", label_, "] local rank ", sharing_.local_rank, " of ",
+                               sharing_.local_world_size, " waited for ", waiting_for,
+                               " in vain (", e.what(),
+                               "): every rank of the node must build the same offloaders, and "
+                               "a rank that died cannot"));
+  }
+}
+
+void NodeShare::publish() {
+  if (published_) return;
+  if (fills()) {
+    memory_->seal();
+    sharing_.set(key("ticket"), "ok " + fingerprint_ + " " + memory_->ticket().serialize());
+    published_ = true;
+    for (int64_t r = 1; r < sharing_.local_world_size; ++r) {
+      const std::string value =
+          get(detail::concat("opened/", r), detail::concat("local rank ", r, " to map them"));
+      const auto [status, why] = split_word(value);
+      BLOCKSWAP_CHECK(status == "ok", "[", label_, "] local rank ", r,
+                      " could not use the node-shared weights: ", why);
+    }
+  } else {
+    sharing_.set(key(detail::concat("opened/", sharing_.local_rank)), "ok");
+    published_ = true;
+  }
+}
+
+void NodeShare::pin(Backend& backend) {
+  pinned_ = backend.pin_host(memory_->data(), memory_->size());
+}
+
+void NodeShare::fail(const std::string& why) noexcept {
+  if (published_) return;
+  published_ = true;
+  try {
+    sharing_.set(key(fills() ? "ticket" : detail::concat("opened/", sharing_.local_rank)),
+                 "failed " + why);
+  } catch (const std::exception& e) {
+    std::cerr << "[" << label_ << "] could not tell the node's other ranks that this one failed ("
+              << e.what() << ")\n";
+  }
+}
+
+} // namespace blockswap::torch_frontend
