@@ -8,6 +8,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <sstream>
 #include <utility>
 
@@ -19,6 +20,8 @@ namespace {
 // The first page holds the header; the data starts on the next page (pinnable, aligned).
 constexpr char kMagic[] = "blockswap node memory 1";
 constexpr std::size_t kNonceBytes = 16;
+// Every node memory's name starts so (use() finds them by it).
+const std::string kNamePrefix = "blockswap-";
 
 struct Header {
   char magic[sizeof(kMagic)];
@@ -75,7 +78,7 @@ NodeMemoryTicket NodeMemoryTicket::parse(const std::string& text) {
 
 NodeMemory NodeMemory::create(const std::string& label, std::size_t bytes) {
   NodeMemory m;
-  m.fd_ = memfd_create(label.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  m.fd_ = memfd_create((kNamePrefix + label).c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   BLOCKSWAP_CHECK(m.fd_ >= 0, system_error("node memory: memfd_create"));
   m.mapped_ = page_size() + round_up(bytes, page_size());
   BLOCKSWAP_CHECK(ftruncate(m.fd_, static_cast<off_t>(m.mapped_)) == 0,
@@ -137,6 +140,30 @@ NodeMemory NodeMemory::open(const NodeMemoryTicket& ticket) {
 // rank that writes a weight changes its own model only, and never faults; blockswap refuses such
 // writes where it sees them (the front end), since they cost the sharing they touch. The file
 // itself is sealed against writes, so no process can change what the others read.
+NodeMemoryUse NodeMemory::use() {
+  std::ifstream smaps("/proc/self/smaps");
+  BLOCKSWAP_CHECK(smaps.good(), "cannot read /proc/self/smaps to measure node memory");
+  NodeMemoryUse use;
+  bool ours = false;
+  std::string line;
+  while (std::getline(smaps, line)) {
+    const auto colon = line.find(':');
+    const auto space = line.find(' ');
+    if (colon == std::string::npos || (space != std::string::npos && space < colon)) {
+      // A mapping's first line: "start-end perms offset dev inode   name".
+      ours = line.find("/memfd:" + kNamePrefix) != std::string::npos;
+      continue;
+    }
+    if (!ours) continue;
+    const std::string field = line.substr(0, colon);
+    const std::size_t bytes = std::strtoull(line.c_str() + colon + 1, nullptr, 10) * 1024;
+    if (field == "Private_Clean" || field == "Private_Dirty") use.private_bytes += bytes;
+    if (field == "Shared_Clean" || field == "Shared_Dirty") use.shared_bytes += bytes;
+    if (field == "Pss") use.proportional_bytes += bytes;
+  }
+  return use;
+}
+
 void NodeMemory::seal() {
   if (!writable_) return;
   void* p = mmap(mapping_, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_, 0);

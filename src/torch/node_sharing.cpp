@@ -101,7 +101,7 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts) {
   std::size_t total = 0;
   const std::vector<std::size_t> offsets = block_offsets(layouts, total);
   if (fills()) {
-    memory_ = std::make_shared<NodeMemory>(NodeMemory::create("blockswap-" + label_, total));
+    memory_ = std::make_shared<NodeMemory>(NodeMemory::create(label_, total));
   } else {
     const std::string value = get("ticket", "local rank 0's node-shared weights");
     const auto [status, rest] = split_word(value);

@@ -46,7 +46,7 @@ bool holds_the_pattern(const NodeMemory& m) {
 }
 
 TEST(NodeMemory, AnotherProcessReadsWhatTheCreatorWroteThroughItsTicket) {
-  NodeMemory memory = NodeMemory::create("blockswap-test", 3 * 4096 + 100);
+  NodeMemory memory = NodeMemory::create("test", 3 * 4096 + 100);
   ASSERT_TRUE(memory.writable());
   EXPECT_EQ(reinterpret_cast<std::uintptr_t>(memory.data()) % 4096, 0u);
   fill(memory);
@@ -64,7 +64,7 @@ TEST(NodeMemory, AnotherProcessReadsWhatTheCreatorWroteThroughItsTicket) {
 // What another process writes stays its own (copy on write): no fault, and neither the creator
 // nor a third process sees it. After seal(), the creator's writes stay its own too.
 TEST(NodeMemory, WritesStayInTheProcessThatMadeThem) {
-  NodeMemory memory = NodeMemory::create("blockswap-test", 2 * 4096);
+  NodeMemory memory = NodeMemory::create("test", 2 * 4096);
   fill(memory);
   memory.seal();
   const NodeMemoryTicket ticket = memory.ticket();
@@ -86,7 +86,7 @@ TEST(NodeMemory, WritesStayInTheProcessThatMadeThem) {
 // A ticket whose nonce is not in the memory's header (an earlier job's ticket left in a reused
 // store, its pid and descriptor numbers reused since) is refused.
 TEST(NodeMemory, AStaleTicketIsRefused) {
-  NodeMemory memory = NodeMemory::create("blockswap-test", 4096);
+  NodeMemory memory = NodeMemory::create("test", 4096);
   NodeMemoryTicket stale = memory.ticket();
   stale.nonce[0] = stale.nonce[0] == 'a' ? 'b' : 'a';
   try {
@@ -109,7 +109,7 @@ TEST(NodeMemory, ATicketOfAProcessThatEndedIsAClearError) {
   ASSERT_EQ(pipe(pipe_fds), 0);
   const pid_t pid = fork();
   if (pid == 0) {
-    const NodeMemory memory = NodeMemory::create("blockswap-test", 4096);
+    const NodeMemory memory = NodeMemory::create("test", 4096);
     const std::string ticket = memory.ticket().serialize();
     (void)!write(pipe_fds[1], ticket.c_str(), ticket.size() + 1);
     _exit(0);
@@ -144,7 +144,7 @@ TEST(NodeMemory, AKilledCreatorLeavesNothingBehind) {
   ASSERT_EQ(pipe(pipe_fds), 0);
   const pid_t creator = fork();
   if (creator == 0) {
-    NodeMemory memory = NodeMemory::create("blockswap-test", 2 * 4096);
+    NodeMemory memory = NodeMemory::create("test", 2 * 4096);
     fill(memory);
     const std::string ticket = memory.ticket().serialize();
     (void)!write(pipe_fds[1], ticket.c_str(), ticket.size() + 1);
@@ -162,6 +162,34 @@ TEST(NodeMemory, AKilledCreatorLeavesNothingBehind) {
   waitpid(creator, &status, 0);
   EXPECT_TRUE(holds_the_pattern(mapped)); // still mapped here
   EXPECT_EQ(shm_entries(), before);
+}
+
+// use() reads /proc/self/smaps: the creator alone holds the pages privately; once another
+// process maps and reads them they are shared, each holding half (Pss); what a process writes is
+// its own again.
+TEST(NodeMemory, UseTellsSharedFromPrivatePages) {
+  constexpr std::size_t kBytes = 64 * 4096;
+  const NodeMemoryUse before = NodeMemory::use();
+  NodeMemory memory = NodeMemory::create("test", kBytes);
+  fill(memory);
+  memory.seal();
+  ASSERT_TRUE(holds_the_pattern(memory)); // touches every page through the new mapping
+  const NodeMemoryUse alone = NodeMemory::use();
+  EXPECT_GE(alone.private_bytes - before.private_bytes, kBytes);
+  EXPECT_EQ(alone.shared_bytes, before.shared_bytes);
+  const NodeMemoryTicket ticket = memory.ticket();
+  EXPECT_EQ(in_child([&] {
+              NodeMemory other = NodeMemory::open(ticket);
+              if (!holds_the_pattern(other)) return 3;
+              const NodeMemoryUse both = NodeMemory::use();
+              // The parent's own memory of this kind (before) is mapped here too, by fork.
+              if (both.shared_bytes < kBytes) return 4;
+              if (both.private_bytes >= 4096 + before.private_bytes + before.shared_bytes) return 5;
+              other.data()[0] = std::byte{1}; // one page becomes this process's own
+              const NodeMemoryUse wrote = NodeMemory::use();
+              return wrote.private_bytes >= both.private_bytes + 4096 ? 0 : 6;
+            }),
+            0);
 }
 
 TEST(NodeMemory, AMalformedTicketIsAClearError) {

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -38,19 +39,34 @@ struct RemoveScratch {
   }
 } remove_scratch;
 
-Result run_tool(const std::string& args) {
-  const fs::path err = scratch() / "stderr.txt";
-  const std::string command = std::string(BLOCKSWAP_TOOL) + " " + args + " 2>" + err.string();
+// The tool started with `args` (and `environment`, "NAME=value ..." before the command);
+// finish() waits for it.
+struct Started {
+  FILE* pipe = nullptr;
+  fs::path err;
+};
+Started start_tool(const std::string& args, const std::string& environment = "",
+                   const std::string& name = "stderr") {
+  Started started{nullptr, scratch() / (name + ".txt")};
+  const std::string command = environment + " " + std::string(BLOCKSWAP_TOOL) + " " + args +
+                              " 2>" + started.err.string();
+  started.pipe = popen(command.c_str(), "r");
+  return started;
+}
+Result finish(Started started) {
   Result result;
-  FILE* pipe = popen(command.c_str(), "r");
   char buffer[4096];
-  for (std::size_t n; (n = fread(buffer, 1, sizeof buffer, pipe)) > 0;)
+  for (std::size_t n; (n = fread(buffer, 1, sizeof buffer, started.pipe)) > 0;)
     result.out.append(buffer, n);
-  const int status = pclose(pipe);
+  const int status = pclose(started.pipe);
   result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  std::ifstream in(err);
+  std::ifstream in(started.err);
   result.err.assign(std::istreambuf_iterator<char>(in), {});
   return result;
+}
+
+Result run_tool(const std::string& args, const std::string& environment = "") {
+  return finish(start_tool(args, environment));
 }
 
 // A safetensors file with a real header and a sparse data section: a 24 GB model on disk
@@ -382,6 +398,113 @@ void expect_default_run(const std::string& mode) {
             out["baseline"]["peak_device_bytes"].get<uint64_t>());
   EXPECT_GT(out["swapped"]["h2d_bytes"].get<uint64_t>(), 0u);
   EXPECT_EQ(out["swapped"]["d2h_bytes"].get<uint64_t>(), 0u);
+}
+
+// `run --ranks R`: R processes train data-parallel (Gloo) on one host copy of the swapped
+// weights; every rank's adapters equal the other ranks' and the same job's without blockswap.
+const char* const kSmallRanksJob =
+    "run --mode train --blocks 6 --swap 3 --hidden 128 --heads 4 --tokens 32 --steps 3 "
+    "--timeout 30 --json";
+
+// The processes still running with `text` in their environment.
+std::size_t processes_with(const std::string& text) {
+  std::size_t n = 0;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    std::ifstream in(entry.path() / "environ");
+    const std::string environment{std::istreambuf_iterator<char>(in), {}};
+    n += environment.find(text) != std::string::npos;
+  }
+  return n;
+}
+
+TEST(Ranks, EveryRankTrainsExactlyOnOneHostCopyOfTheSwappedWeights) {
+  for (int ranks : {1, 2, 3}) {
+    const Result r = run_tool(std::string(kSmallRanksJob) + " --ranks " + std::to_string(ranks));
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const json out = json::parse(r.out);
+    EXPECT_EQ(out["mode"], "train");
+    EXPECT_EQ(out["ranks"].get<int>(), ranks);
+    EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+    const uint64_t copy = out["swapped_weight_bytes"];
+    ASSERT_GT(copy, 0u);
+    ASSERT_EQ(out["rank_stats"].size(), std::size_t(ranks));
+    uint64_t private_sum = 0;
+    for (const auto& rank : out["rank_stats"]) {
+      EXPECT_EQ(rank["max_abs_diff"].get<double>(), 0.0);      // against no swapping
+      EXPECT_EQ(rank["max_diff_to_rank0"].get<double>(), 0.0); // against rank 0
+      EXPECT_GT(rank["h2d_bytes"].get<uint64_t>(), 0u);
+      private_sum += rank["private_host_bytes"].get<uint64_t>();
+      if (ranks > 1) EXPECT_GE(rank["shared_host_bytes"].get<uint64_t>(), copy);
+      // Each rank's share of the node's one copy.
+      EXPECT_NEAR(double(rank["proportional_host_bytes"]), double(copy) / ranks, 64 * 1024.0);
+    }
+    if (ranks == 1) {
+      EXPECT_GE(private_sum, copy); // one rank holds its copy alone
+    } else {
+      EXPECT_LT(double(private_sum), 0.1 * double(copy)) << ranks << " ranks";
+    }
+  }
+}
+
+// A rank killed in the middle of a step: the others fail with a clear error well within the
+// timeout, instead of hanging, and nothing of the job is left: no process, no file, no segment.
+TEST(Ranks, AKilledRankMakesTheOthersFailAndLeavesNothing) {
+  const fs::path tmp = scratch() / "killed"; // the launcher makes the job's directory in TMPDIR
+  fs::create_directories(tmp);
+  const auto shm_entries = [] {
+    std::size_t n = 0;
+    for (const auto& e : fs::directory_iterator("/dev/shm")) {
+      n += e.path().filename().string().find("blockswap") != std::string::npos;
+    }
+    return n;
+  };
+  const std::size_t shm_before = shm_entries();
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = run_tool("run --mode train --blocks 6 --swap 3 --hidden 128 --heads 4 "
+                            "--tokens 32 --steps 3 --ranks 3 --kill-rank 1 --timeout 30",
+                            "TMPDIR=" + tmp.string());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("rank 1 was killed by signal 9"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 0 failed"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 2 failed"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("another rank has ended or failed"), std::string::npos) << r.err;
+  EXPECT_LT(seconds, 30.0); // the others saw it at once, not at the timeout
+  EXPECT_EQ(processes_with("BLOCKSWAP_JOB_DIR=" + tmp.string()), 0u);
+  EXPECT_TRUE(fs::is_empty(tmp));
+  EXPECT_EQ(shm_entries(), shm_before);
+}
+
+// Two jobs on one node at once, each with its own store: neither maps the other's memory (each
+// rank's share of its job's copy is half of it, not a quarter), both exact.
+TEST(Ranks, TwoJobsAtOnceKeepTheirOwnCopies) {
+  Started a = start_tool(std::string(kSmallRanksJob) + " --ranks 2", "", "job_a");
+  Started b = start_tool("run --mode train --blocks 4 --swap 2 --hidden 64 --heads 4 --tokens 32 "
+                         "--steps 3 --timeout 30 --json --ranks 2",
+                         "", "job_b");
+  for (const Result& r : {finish(a), finish(b)}) {
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const json out = json::parse(r.out);
+    EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+    const double copy = out["swapped_weight_bytes"];
+    for (const auto& rank : out["rank_stats"]) {
+      EXPECT_NEAR(double(rank["proportional_host_bytes"]), copy / 2, 64 * 1024.0);
+    }
+  }
+}
+
+TEST(Ranks, BadCombinationsAreOneLineErrors) {
+  for (const auto& [args, words] : std::vector<std::pair<std::string, std::string>>{
+           {"run --mode infer --ranks 2", "--mode train"},
+           {"run --mode train --ranks 2 --kill-rank 2", "--kill-rank 2 is not a rank"},
+           {"run --mode train --ranks 2 --hidden 100", "not divisible"},
+           {"run --mode train --ranks 0", "--ranks"}}) {
+    const Result r = run_tool(args);
+    EXPECT_NE(r.exit_code, 0) << args;
+    EXPECT_NE(r.err.find(words), std::string::npos) << args << ": " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << ": " << r.err;
+  }
 }
 
 TEST(Run, DefaultInferenceIsExact) {

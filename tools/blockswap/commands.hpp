@@ -5,6 +5,8 @@
 #include <optional>
 #include <string>
 
+#include "blockswap/core/schedule.hpp"
+
 namespace blockswap::tool {
 
 struct RunArgs {
@@ -24,6 +26,10 @@ struct RunArgs {
   std::string save_weights; // write the model's initial weights here
   std::string trace;
   bool json = false;
+  // Data-parallel LoRA training over this many processes (0: one process, no c10d).
+  int ranks = 0;
+  double timeout_seconds = 60; // how long a rank waits for the others
+  int kill_rank = -1;          // fault injection: that rank dies in its second step
 };
 
 struct PlanArgs {
@@ -52,7 +58,13 @@ struct BenchArgs {
   int64_t tokens = 0; // 0: calibrated so that a block's compute takes about its copy time
 };
 
+// K from --swap, or half the blocks, within 0 <= K <= Schedule::max_blocks_to_swap(N, mode).
+int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode);
+
 int run_command(const RunArgs& args);
+// `run --ranks R`: launches R processes of this executable (`argv`), one rank each, and reports
+// them; in a rank (BLOCKSWAP_JOB_DIR set by the launcher) runs that rank.
+int ranks_command(const RunArgs& args, char** argv);
 int bench_command(const BenchArgs& args);
 int plan_command(const PlanArgs& args);
 

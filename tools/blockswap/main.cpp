@@ -90,6 +90,19 @@ int main(int argc, char** argv) {
   run_cmd->add_option("--trace", run.trace,
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");
+  run_cmd
+      ->add_option("--ranks", run.ranks,
+                   "data-parallel LoRA training (--mode train) over R processes of this machine, "
+                   "Gloo between them, one node-shared host copy of the swapped weights")
+      ->check(integer_in<int>(1, 64));
+  run_cmd
+      ->add_option("--timeout", run.timeout_seconds,
+                   "--ranks: seconds a rank waits for the others before it fails")
+      ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
+  run_cmd->add_option("--kill-rank", run.kill_rank,
+                      "--ranks, fault injection: this rank kills itself (SIGKILL) in the middle "
+                      "of its second step, to show how the others fail");
 
   PlanArgs plan;
   CLI::App* plan_cmd = app.add_subcommand(
@@ -172,6 +185,7 @@ int main(int argc, char** argv) {
   try {
     if (*plan_cmd) return plan_command(plan);
     if (*bench_cmd) return bench_command(bench);
+    if (run.ranks > 0) return ranks_command(run, argv);
     return run_command(run); // `blockswap` alone runs the default comparison
   } catch (const std::bad_alloc&) {
     return fail("out of host memory: try a smaller --blocks, --hidden or --tokens");

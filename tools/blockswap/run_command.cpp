@@ -42,7 +42,8 @@ c10::Device checked_device(const std::string& name) {
   return device;
 }
 
-// K from --swap, or half the blocks, within 0 <= K <= max_blocks_to_swap(N, mode).
+} // namespace
+
 int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
   const int64_t max_k = Schedule::max_blocks_to_swap(blocks, mode);
   if (!args.swap) return std::min(blocks / 2, max_k);
@@ -60,6 +61,8 @@ int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
                                          k + kept, " blocks)"));
   return k;
 }
+
+namespace {
 
 // The host memory a run needs, roughly: the two copies of the model (the baseline and the
 // swapped one) and one step's activations. A run that cannot fit fails now, with the sizes,

@@ -59,9 +59,9 @@ std::vector<torch::Tensor> block_weights(const ReferenceTransformer& model) {
 } // namespace
 
 StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
-                       Work work)
+                       Work work, GradientReducer reduce)
     : model_(model), offloader_(offloader), input_(std::move(input)), work_(work),
-      adapters_(model.lora_parameters()) {
+      adapters_(model.lora_parameters()), reduce_(std::move(reduce)) {
   if (work_ == Work::finetune && offloader_ == nullptr) {
     const FusedAdamW o = finetune_adamw();
     adamw_ = std::make_unique<torch::optim::AdamW>(
@@ -104,6 +104,11 @@ double StepRunner::step(std::vector<torch::Tensor>* results) {
     loss.backward();
     if (results != nullptr) results->push_back(loss.detach());
     torch::NoGradGuard no_grad;
+    if (reduce_) {
+      std::vector<torch::Tensor> grads;
+      for (auto& p : adapters_) grads.push_back(p.grad());
+      reduce_(grads);
+    }
     for (auto& p : adapters_) {
       if (results != nullptr) results->push_back(p.grad().clone());
       p.sub_(p.grad() * 0.1);
@@ -129,10 +134,11 @@ double median(std::vector<double> values) {
 
 std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         Work work, int steps) {
+                                         Work work, int steps, const GradientReducer& reduce) {
   Progress progress;
   Phase phases[2];
-  StepRunner runners[] = {{plain, nullptr, input, work}, {swapped, &offloader, input, work}};
+  StepRunner runners[] = {{plain, nullptr, input, work, reduce},
+                          {swapped, &offloader, input, work, reduce}};
   std::vector<double> times[2];
   for (int step = 0; step <= steps; ++step) {
     if (step == 1) offloader.reset_stats();

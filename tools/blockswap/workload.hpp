@@ -4,6 +4,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -33,11 +34,15 @@ FusedAdamW finetune_adamw();
 // Makes every block weight of `model` trainable (before an offloader is built over it).
 void make_trainable(models::ReferenceTransformer& model);
 
+// Data-parallel training: what happens to the adapters' gradients between backward and the
+// SGD step (an all-reduce over the ranks).
+using GradientReducer = std::function<void(std::vector<torch::Tensor>& grads)>;
+
 // One step of the reference transformer, through `offloader` when it is not null.
 class StepRunner {
 public:
   StepRunner(models::ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
-             Work work);
+             Work work, GradientReducer reduce = {});
   // Runs a step and returns its seconds. Training: the loss and every adapter gradient go to
   // `results` (when not null) and the adapters take an SGD step; fine-tuning: the loss, and
   // the weights take an AdamW step; inference: the output.
@@ -52,6 +57,7 @@ private:
   torch::Tensor input_;
   Work work_;
   std::vector<torch::Tensor> adapters_;
+  GradientReducer reduce_;
   std::unique_ptr<torch::optim::AdamW> adamw_; // fine-tuning without blockswap
 };
 
@@ -62,7 +68,8 @@ double median(std::vector<double> values);
 std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
                                          models::ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         Work work, int steps);
+                                         Work work, int steps,
+                                         const GradientReducer& reduce = {});
 
 double max_abs_diff(const Phase& a, const Phase& b);
 std::string milliseconds(double seconds);

@@ -27,9 +27,22 @@ struct NodeMemoryTicket {
   static NodeMemoryTicket parse(const std::string& text);
 };
 
+// What this process maps of node memory (every NodeMemory of its own or of others), read from
+// /proc/self/smaps: pages only this process maps, pages others map too, and this process's
+// proportional share of all of them. Pages never touched count nowhere.
+struct NodeMemoryUse {
+  std::size_t private_bytes = 0;
+  std::size_t shared_bytes = 0;
+  std::size_t proportional_bytes = 0; // smaps' Pss
+};
+
 class NodeMemory {
 public:
-  // `bytes` of zeroed, writable memory; `label` names it in /proc/<pid>/maps ("memfd:...").
+  // Throws Error when /proc/self/smaps cannot be read.
+  static NodeMemoryUse use();
+
+  // `bytes` of zeroed, writable memory; `label` names it in /proc/<pid>/maps
+  // ("/memfd:blockswap-<label>").
   // Throws Error when the system refuses (no memfd, no memory).
   static NodeMemory create(const std::string& label, std::size_t bytes);
   // The memory of another process of this node, copy-on-write. Throws Error when the creator has
