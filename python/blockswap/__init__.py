@@ -26,7 +26,7 @@ import torch as _torch
 from . import _C
 
 __all__ = ["ModelOffloader", "Device", "open_device", "Error", "OutOfMemoryError", "FusedSGD",
-           "FusedAdamW"]
+           "FusedAdamW", "node_memory_use"]
 
 Error = _C.Error
 OutOfMemoryError = _C.OutOfMemoryError
@@ -322,6 +322,36 @@ class FusedAdamW(_FusedOptimizer):
                                             "exp_avg_sq": state["exp_avg_sq"]}
 
 
+def _node_sharing(process_group):
+    """The job's store, and this rank's place among its node's ranks (Options::node_sharing)."""
+    import socket
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("process_group needs torch.distributed initialized "
+                         "(torch.distributed.init_process_group) first")
+    hosts = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(hosts, socket.gethostname(), group=process_group)
+    me = dist.get_rank(process_group)
+    local_rank = sum(1 for r in range(me) if hosts[r] == hosts[me])
+    local_world_size = sum(1 for h in hosts if h == hosts[me])
+    store = dist.distributed_c10d._get_default_store()
+
+    def node_set(key, value):
+        store.set(key, value)
+
+    def node_get(key):
+        return store.get(key).decode()
+
+    return node_set, node_get, local_rank, local_world_size
+
+
+def node_memory_use():
+    """The node-shared host memory this process maps (process_group), from /proc/self/smaps:
+    a dict of ``private_bytes`` (pages only this process maps), ``shared_bytes`` (pages other
+    processes map too) and ``proportional_bytes`` (this process's share of all of them)."""
+    return _C.node_memory_use()
+
+
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -341,6 +371,12 @@ class ModelOffloader:
     emulated device ``'cpu'``, the device on a GPU).
     docs/guide.md, "Fine-tuning".
 
+    Data-parallel training (``torch.distributed``, docs/distributed.md): ``process_group`` (a
+    ``torch.distributed`` process group, e.g. ``torch.distributed.group.WORLD``) makes the ranks
+    of each node read one host copy of the swapped weights, local rank 0's. Every rank builds
+    the same offloaders in the same order (the constructor is collective); call
+    ``exclude_from_ddp(model)`` before wrapping the model in ``DistributedDataParallel``.
+
     With no blocks, or ``blocks_to_swap=0`` and no optimizer, it does nothing, like the seed:
     it allocates nothing, registers nothing and every verb returns at once.
     """
@@ -350,7 +386,7 @@ class ModelOffloader:
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
-                 step_on="auto"):
+                 step_on="auto", process_group=None):
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
         self.num_blocks = num_blocks
@@ -387,6 +423,11 @@ class ModelOffloader:
             raise ValueError(f"[{block_type}] gradient_accumulation_steps and "
                              "max_grad_norm_per_parameter are for the fused step: pass "
                              "optimizer= too")
+        if process_group is not None and optimizer is not None:
+            raise ValueError(f"[{block_type}] process_group shares the blocks' host copy with "
+                             "the node's other ranks read-only, so nothing may train in it: "
+                             "with process_group, train adapters (LoRA) and leave optimizer "
+                             "unset")
         if not self.blocks or (blocks_to_swap in (0, None) and optimizer is None):
             return  # the seed does nothing either: the trainer's dummy, or no swapping
         if blocks_to_swap is None:
@@ -422,6 +463,7 @@ class ModelOffloader:
                 raise ValueError(f"[{block_type}] this optimizer already belongs to the "
                                  f"offloader '{optimizer.offloader.block_type}'")
             self._check_optimizer_params(optimizer)
+        node = (None, None, 0, 1) if process_group is None else _node_sharing(process_group)
         self._impl = _C.Offloader(
             block_type, tensors, blocks_to_swap, self.supports_backward,
             _device_name(device) if shared_device is None else "cpu",
@@ -430,7 +472,8 @@ class ModelOffloader:
             float(emulated_link_gbps), int(emulated_capacity_bytes),
             optimizer._kind if optimizer is not None else "",
             optimizer._hyper() if optimizer is not None else {},
-            int(gradient_accumulation_steps), float(max_grad_norm_per_parameter), str(step_on))
+            int(gradient_accumulation_steps), float(max_grad_norm_per_parameter), str(step_on),
+            *node)
         if optimizer is not None:
             optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
                                      for name, p in block.named_parameters() if p.requires_grad})
@@ -438,6 +481,25 @@ class ModelOffloader:
         if self.supports_backward:
             for i, block in enumerate(self.blocks):
                 self._hooks.append(block.register_forward_hook(self._forward_hook(i)))
+
+    def exclude_from_ddp(self, model):
+        """Makes ``DistributedDataParallel(model)`` leave the swapped frozen weights alone.
+
+        DDP broadcasts every parameter of rank 0 when it is built; with ``process_group`` every
+        rank already reads local rank 0's swapped weights, whose shared host copy may not be
+        written (blockswap raises at the block's next move). Call before wrapping ``model``,
+        the module given to DDP, which holds this offloader's blocks. Adds to any names DDP was
+        told to ignore before."""
+        frozen = {id(p) for block in self.blocks for p in block.parameters()
+                  if not p.requires_grad}
+        names = [name for name, p in model.named_parameters() if id(p) in frozen]
+        if len(names) != len(frozen):
+            raise ValueError(f"[{self.block_type}] {len(frozen) - len(names)} swapped weight(s) "
+                             "are not parameters of the model given: pass the module you wrap "
+                             "in DistributedDataParallel")
+        ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        _torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            model, ignored + [n for n in names if n not in ignored])
 
     def _check_optimizer_params(self, optimizer):
         """The optimizer's parameters are exactly the blocks' parameters that require grad."""

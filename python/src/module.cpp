@@ -1,8 +1,10 @@
 // blockswap._C: the LibTorch front end (blockswap/torch.hpp) for Python, on LibTorch's own
 // extension headers and pybind11. The Python class ModelOffloader (python/blockswap) is the
 // seed-compatible face; this module is what it calls.
+#include <pybind11/functional.h>
 #include <torch/extension.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -10,6 +12,7 @@
 #include <vector>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/node_memory.hpp"
 #include "blockswap/torch.hpp"
 
 namespace py = pybind11;
@@ -71,7 +74,12 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
                                           const std::string& optimizer,
                                           const std::map<std::string, double>& hyper,
                                           int64_t accumulation, double max_norm,
-                                          const std::string& step_on) {
+                                          const std::string& step_on,
+                                          const std::function<void(const std::string&,
+                                                                   const std::string&)>& node_set,
+                                          const std::function<std::string(const std::string&)>&
+                                              node_get,
+                                          int64_t local_rank, int64_t local_world_size) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
   Options options;
@@ -97,6 +105,7 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
   options.step_on = step_on == "host"     ? StepOn::host
                     : step_on == "device" ? StepOn::device
                                           : StepOn::automatic;
+  if (node_set) options.node_sharing = NodeSharing{node_set, node_get, local_rank, local_world_size};
   auto offloader = std::make_unique<Offloader>();
   if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
   py::gil_scoped_release release; // packing copies every block
@@ -142,6 +151,12 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("device"), py::arg("budget_bytes") = 0, py::arg("link_gbps") = 0.0,
       py::arg("capacity_bytes") = 0);
+  m.def("node_memory_use", [] {
+    const NodeMemoryUse use = NodeMemory::use();
+    return std::map<std::string, std::size_t>{{"private_bytes", use.private_bytes},
+                                              {"shared_bytes", use.shared_bytes},
+                                              {"proportional_bytes", use.proportional_bytes}};
+  });
   m.def("cuda_available", &cuda_available);
   m.def("max_blocks_to_swap", [](int64_t n, bool training) {
     return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
@@ -154,7 +169,9 @@ PYBIND11_MODULE(_C, m) {
            py::arg("reentrant"), py::arg("debug"), py::arg("rotating_slots"),
            py::arg("budget_bytes"), py::arg("shared_device"), py::arg("trace"),
            py::arg("link_gbps"), py::arg("capacity_bytes"), py::arg("optimizer"),
-           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"), py::arg("step_on"))
+           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"), py::arg("step_on"),
+           py::arg("node_set"), py::arg("node_get"), py::arg("local_rank"),
+           py::arg("local_world_size"))
       .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
            Release())
       .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },

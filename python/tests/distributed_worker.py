@@ -1,0 +1,115 @@
+"""One rank of the data-parallel jobs test_distributed.py runs (python distributed_worker.py
+RANK WORLD_SIZE JOB_DIR SCENARIO): LoRA training under DistributedDataParallel (Gloo, small
+buckets so that its gradient hooks fire during backward while blockswap moves blocks), once
+with blockswap over the node-shared host copy and once without; writes what it saw to
+JOB_DIR/rank-RANK.json."""
+import datetime
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import blockswap
+
+DIM, HIDDEN, LORA_RANK, BLOCKS, SWAPPED, STEPS = 64, 256, 4, 6, 3, 3
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(DIM, HIDDEN)
+        self.fc2 = torch.nn.Linear(HIDDEN, DIM)
+        for p in self.parameters():
+            p.requires_grad_(False)
+        self.lora_a = torch.nn.Parameter(torch.randn(LORA_RANK, DIM) * 0.1)
+        self.lora_b = torch.nn.Parameter(torch.randn(HIDDEN, LORA_RANK) * 0.1)
+
+    def forward(self, x):
+        h = self.fc1(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+        return x + self.fc2(torch.nn.functional.gelu(h))
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)  # the same weights on every rank
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.offloader = None
+
+    def forward(self, x):
+        if self.offloader is not None:
+            self.offloader.prepare_block_devices_before_forward()
+        for i, block in enumerate(self.blocks):
+            if self.offloader is not None:
+                self.offloader.wait_for_block(i)
+            x = block(x)
+            if self.offloader is not None:
+                self.offloader.submit_move_blocks_forward(i)
+        return x
+
+
+def train(rank, scenario, swapped):
+    model = Model()
+    if swapped:
+        if rank != 0:  # only local rank 0's weights are read: the others' may be anything
+            with torch.no_grad():
+                for p in model.parameters():
+                    if not p.requires_grad:
+                        p.fill_(7.0)
+        model.offloader = blockswap.ModelOffloader(
+            "block", model.blocks, BLOCKS, SWAPPED, True, "cpu", False,
+            process_group=dist.group.WORLD)
+        if scenario != "forgot_exclude":
+            model.offloader.exclude_from_ddp(model)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # a bucket per few adapters
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    for step in range(STEPS):
+        torch.manual_seed(100 + 10 * rank + step)  # each rank its own data
+        loss = ddp(torch.randn(4, 8, DIM)).pow(2).mean()
+        if scenario == "kill" and swapped and rank == 1 and step == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # in the middle of the step
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    adapters = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    dist.barrier()  # every rank maps the node's memory now
+    use = blockswap.node_memory_use()
+    dist.barrier()
+    if model.offloader is not None:
+        model.offloader.close()
+    return adapters, use
+
+
+def main():
+    rank, world, job_dir, scenario = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
+                                      sys.argv[4])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{job_dir}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=30))
+    result = {"rank": rank}
+    try:
+        plain, _ = train(rank, scenario, swapped=False)
+        swapped, use = train(rank, scenario, swapped=True)
+        result["exact"] = all(torch.equal(a, b) for a, b in zip(plain, swapped))
+        theirs = [a.clone() for a in swapped]
+        for t in theirs:
+            dist.broadcast(t, src=0)
+        result["same_as_rank0"] = all(torch.equal(a, b) for a, b in zip(theirs, swapped))
+        result["use"] = use
+        block_bytes = sum(p.numel() * p.element_size() for p in Block().parameters()
+                          if not p.requires_grad)
+        result["copy_bytes"] = BLOCKS * block_bytes
+    except Exception as e:  # what a trainer would see, for the test to check
+        result["error"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(job_dir, f"rank-{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
+              os.path.join(job_dir, f"rank-{rank}.json"))
+
+
+if __name__ == "__main__":
+    main()
