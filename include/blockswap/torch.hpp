@@ -127,6 +127,10 @@ struct NodeSharing {
   std::function<std::string(const std::string& key)> get;
   int64_t local_rank = 0;       // this process's rank among the node's ranks
   int64_t local_world_size = 1; // the node's ranks
+  // Tells apart groups of ranks that meet through one store (process subgroups, each with its
+  // own offloaders): the same for every rank of a group, different between groups. Empty: the
+  // store's ranks are one group.
+  std::string group = {};
   explicit operator bool() const { return static_cast<bool>(set) || static_cast<bool>(get); }
 };
 

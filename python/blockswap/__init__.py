@@ -329,12 +329,18 @@ def _node_sharing(process_group):
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("process_group needs torch.distributed initialized "
                          "(torch.distributed.init_process_group) first")
-    hosts = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(hosts, socket.gethostname(), group=process_group)
+    ranks = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(ranks, (socket.gethostname(), dist.get_rank()), group=process_group)
+    hosts = [host for host, _ in ranks]
     me = dist.get_rank(process_group)
     local_rank = sum(1 for r in range(me) if hosts[r] == hosts[me])
     local_world_size = sum(1 for h in hosts if h == hosts[me])
     store = dist.distributed_c10d._get_default_store()
+    # A subgroup meets through the default group's store too: its keys name it.
+    group = ""
+    if len(ranks) != dist.get_world_size():
+        import hashlib
+        group = hashlib.sha1(repr(sorted(r for _, r in ranks)).encode()).hexdigest()[:16]
 
     def node_set(key, value):
         store.set(key, value)
@@ -342,7 +348,7 @@ def _node_sharing(process_group):
     def node_get(key):
         return store.get(key).decode()
 
-    return node_set, node_get, local_rank, local_world_size
+    return node_set, node_get, local_rank, local_world_size, group
 
 
 def node_memory_use():
@@ -463,7 +469,7 @@ class ModelOffloader:
                 raise ValueError(f"[{block_type}] this optimizer already belongs to the "
                                  f"offloader '{optimizer.offloader.block_type}'")
             self._check_optimizer_params(optimizer)
-        node = (None, None, 0, 1) if process_group is None else _node_sharing(process_group)
+        node = (None, None, 0, 1, "") if process_group is None else _node_sharing(process_group)
         self._impl = _C.Offloader(
             block_type, tensors, blocks_to_swap, self.supports_backward,
             _device_name(device) if shared_device is None else "cpu",

@@ -79,7 +79,8 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
                                                                    const std::string&)>& node_set,
                                           const std::function<std::string(const std::string&)>&
                                               node_get,
-                                          int64_t local_rank, int64_t local_world_size) {
+                                          int64_t local_rank, int64_t local_world_size,
+                                          const std::string& group) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
   Options options;
@@ -105,7 +106,9 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
   options.step_on = step_on == "host"     ? StepOn::host
                     : step_on == "device" ? StepOn::device
                                           : StepOn::automatic;
-  if (node_set) options.node_sharing = NodeSharing{node_set, node_get, local_rank, local_world_size};
+  if (node_set) {
+    options.node_sharing = NodeSharing{node_set, node_get, local_rank, local_world_size, group};
+  }
   auto offloader = std::make_unique<Offloader>();
   if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
   py::gil_scoped_release release; // packing copies every block
@@ -171,7 +174,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("link_gbps"), py::arg("capacity_bytes"), py::arg("optimizer"),
            py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"), py::arg("step_on"),
            py::arg("node_set"), py::arg("node_get"), py::arg("local_rank"),
-           py::arg("local_world_size"))
+           py::arg("local_world_size"), py::arg("group"))
       .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
            Release())
       .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },

@@ -34,9 +34,9 @@ class Block(torch.nn.Module):
 
 
 class Model(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, seed):
         super().__init__()
-        torch.manual_seed(0)  # the same weights on every rank
+        torch.manual_seed(seed)  # the same weights on every rank of a job
         self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
         self.offloader = None
 
@@ -52,20 +52,21 @@ class Model(torch.nn.Module):
         return x
 
 
-def train(rank, scenario, swapped):
-    model = Model()
+def train(rank, scenario, swapped, group, first):
+    model = Model(first)  # each job (subgroup) its own model
     if swapped:
-        if rank != 0:  # only local rank 0's weights are read: the others' may be anything
+        if rank != first:  # only local rank 0's weights are read: the others' may be anything
             with torch.no_grad():
                 for p in model.parameters():
                     if not p.requires_grad:
                         p.fill_(7.0)
         model.offloader = blockswap.ModelOffloader(
             "block", model.blocks, BLOCKS, SWAPPED, True, "cpu", False,
-            process_group=dist.group.WORLD)
+            process_group=group)
         if scenario != "forgot_exclude":
             model.offloader.exclude_from_ddp(model)
-    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002)  # a bucket per few adapters
+    # a bucket per few adapters
+    ddp = DistributedDataParallel(model, bucket_cap_mb=0.002, process_group=group)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for step in range(STEPS):
         torch.manual_seed(100 + 10 * rank + step)  # each rank its own data
@@ -91,13 +92,18 @@ def main():
     dist.init_process_group("gloo", init_method=f"file://{job_dir}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=30))
     result = {"rank": rank}
+    group, first = dist.group.WORLD, 0
+    if scenario == "subgroups":  # two halves, each its own data-parallel job on one store
+        halves = [dist.new_group(list(range(world // 2))),
+                  dist.new_group(list(range(world // 2, world)))]
+        group, first = halves[rank * 2 // world], rank * 2 // world * (world // 2)
     try:
-        plain, _ = train(rank, scenario, swapped=False)
-        swapped, use = train(rank, scenario, swapped=True)
+        plain, _ = train(rank, scenario, False, group, first)
+        swapped, use = train(rank, scenario, True, group, first)
         result["exact"] = all(torch.equal(a, b) for a, b in zip(plain, swapped))
         theirs = [a.clone() for a in swapped]
         for t in theirs:
-            dist.broadcast(t, src=0)
+            dist.broadcast(t, src=first, group=group)
         result["same_as_rank0"] = all(torch.equal(a, b) for a, b in zip(theirs, swapped))
         result["use"] = use
         block_bytes = sum(p.numel() * p.element_size() for p in Block().parameters()
@@ -109,6 +115,8 @@ def main():
         json.dump(result, f)
     os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
               os.path.join(job_dir, f"rank-{rank}.json"))
+    dist.barrier()  # no rank tears its groups down while another still uses them
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

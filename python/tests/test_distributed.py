@@ -53,6 +53,16 @@ def test_every_rank_trains_exactly_on_one_host_copy(tmp_path, world):
     assert private < 0.1 * results[0]["copy_bytes"]
 
 
+def test_subgroups_on_one_store_keep_their_own_copies(tmp_path):
+    """Two data-parallel jobs of 2 ranks each, as subgroups of one 4-rank world (one store)."""
+    codes, results, errors = run_job(tmp_path, 4, "subgroups")
+    assert codes == [0] * 4, errors
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"] and r["same_as_rank0"]
+        assert r["use"]["proportional_bytes"] <= r["copy_bytes"] / 2 + 64 * 1024
+
+
 def test_a_rank_killed_mid_step_makes_the_others_fail_not_hang(tmp_path):
     start = time.monotonic()
     codes, results, errors = run_job(tmp_path, 3, "kill")

@@ -13,9 +13,10 @@
 #include "blockswap/core/layout.hpp"
 
 // Note [node sharing protocol]
-// The keys are "blockswap/<host>/<label>/<n>/...": the node's ranks find each other by host
-// name, and the n-th offloader of a label that a process builds meets the n-th of every other
-// rank of the node (every rank builds the same offloaders in the same order). Local rank 0 sets
+// The keys are "blockswap/<host>/[group-<group>/]<label>/<n>/...": the node's ranks find each
+// other by host name (and, when several groups of ranks share the store, by NodeSharing::group),
+// and the n-th offloader of a label that a process builds meets the n-th of every other rank of
+// its group on the node (every rank builds the same offloaders in the same order). Local rank 0 sets
 // "ticket" to "ok <fingerprint> <ticket>" once the memory is filled and sealed, or to
 // "failed <why>"; each other local rank r sets "opened/<r>" to "ok" once it has mapped the
 // memory, or to "failed <why>". Local rank 0 waits for every "opened/<r>" before its
@@ -93,7 +94,9 @@ NodeShare::NodeShare(NodeSharing sharing, std::string label)
                   "[", label_, "] Options::node_sharing has local rank ", sharing_.local_rank,
                   " of ", sharing_.local_world_size,
                   ": give this process's rank among the node's ranks, from 0");
-  prefix_ = detail::concat("blockswap/", host_name(), "/", label_, "/", next_sequence(label_), "/");
+  const std::string group = sharing_.group.empty() ? "" : "group-" + sharing_.group + "/";
+  prefix_ = detail::concat("blockswap/", host_name(), "/", group, label_, "/",
+                           next_sequence(sharing_.group + "/" + label_), "/");
 }
 
 void NodeShare::open(const std::vector<BlockLayout>& layouts) {

@@ -25,7 +25,7 @@ public:
   explicit TestStore(std::chrono::milliseconds timeout = std::chrono::seconds(60))
       : timeout_(timeout) {}
 
-  NodeSharing rank(int64_t local_rank, int64_t local_world_size) {
+  NodeSharing rank(int64_t local_rank, int64_t local_world_size, std::string group = "") {
     NodeSharing sharing;
     sharing.set = [this](const std::string& key, const std::string& value) {
       std::lock_guard lock(mutex_);
@@ -42,14 +42,16 @@ public:
     };
     sharing.local_rank = local_rank;
     sharing.local_world_size = local_world_size;
+    sharing.group = std::move(group);
     return sharing;
   }
 
 private:
-  // "blockswap/<host>/<label>/<n>/<what>" without "<n>/".
+  // "blockswap/<host>/[group-<g>/]<label>/<n>/<what>" without "<n>/".
   static std::string without_number(const std::string& key) {
     std::size_t at = 0;
-    for (int slash = 0; slash < 3; ++slash) at = key.find('/', at) + 1;
+    const int slashes = key.find("/group-") != std::string::npos ? 4 : 3;
+    for (int slash = 0; slash < slashes; ++slash) at = key.find('/', at) + 1;
     return key.substr(0, at) + key.substr(key.find('/', at) + 1);
   }
   std::chrono::milliseconds timeout_;
@@ -126,6 +128,27 @@ TEST(NodeSharing, EveryRankTrainsExactlyOnLocalRankZerosWeights) {
     EXPECT_NE(runs[0]->model.blocks[1]->fc2->weight.data_ptr(),
               runs[1]->model.blocks[1]->fc2->weight.data_ptr());
   }
+}
+
+// Two groups of ranks on one node meeting through one store (process subgroups), each group
+// with its own model: each group's ranks read their own local rank 0's weights.
+TEST(NodeSharing, GroupsSharingAStoreKeepTheirOwnCopies) {
+  TestStore store;
+  std::vector<std::unique_ptr<Model>> models;
+  for (int r = 0; r < 4; ++r) models.push_back(std::make_unique<Model>(4));
+  {
+    torch::NoGradGuard no_grad;
+    models[2]->blocks[0]->fc1->weight.fill_(0.5); // group b's local rank 0: other weights
+  }
+  const auto expected = models[2]->blocks[0]->fc1->weight.clone();
+  const auto original = models[0]->blocks[0]->fc1->weight.clone();
+  const auto errors = on_ranks(4, [&](int64_t r) {
+    ModelOffloader offloader("block", models[r]->modules(),
+                             shared_options(2, store.rank(r % 2, 2, r < 2 ? "a" : "b")));
+  });
+  for (int r = 0; r < 4; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  expect_bitwise(models[1]->blocks[0]->fc1->weight, original, "group a's local rank 1");
+  expect_bitwise(models[3]->blocks[0]->fc1->weight, expected, "group b's local rank 1");
 }
 
 TEST(NodeSharing, DifferentBlocksOnARankAreAnErrorOnEveryRank) {
