@@ -1,14 +1,28 @@
 """pip install --no-build-isolation .  builds the Python package blockswap against the torch
-that is installed (PyTorch's C++ extension convention: torch.utils.cpp_extension). The CUDA
+that is installed (PyTorch's C++ extension convention: torch.utils.cpp_extension), torch 2.7 to
+2.14. The built package requires exactly that torch and refuses another at import. The CUDA
 backend is built in when that torch has CUDA and a CUDA toolkit is found."""
 
 import glob
 import os
+import sys
 
 from setuptools import setup
-from torch.utils import cpp_extension
 
-import torch
+TORCH_MIN, TORCH_MAX = (2, 7), (2, 14)
+
+try:
+    import torch
+    from torch.utils import cpp_extension
+except ImportError:
+    sys.exit("blockswap compiles against the torch it will run with, and this build cannot see "
+             "one (pip builds in an isolated environment unless told otherwise). Install torch "
+             "2.7-2.14 first, then: pip install --no-build-isolation .")
+
+torch_version = torch.__version__.split("+")[0]
+if tuple(int(x) for x in torch_version.split(".")[:2]) < TORCH_MIN:
+    sys.exit(f"blockswap needs torch {TORCH_MIN[0]}.{TORCH_MIN[1]} to "
+             f"{TORCH_MAX[0]}.{TORCH_MAX[1]}; this is torch {torch.__version__}")
 
 root = os.path.dirname(os.path.abspath(__file__))
 
@@ -25,12 +39,19 @@ extension_sources = sources()
 include_dirs = [os.path.join(root, "include"), os.path.join(root, ".deps", "include")]
 libraries, library_dirs = [], []
 cuda_home = cpp_extension.CUDA_HOME
-if torch.version.cuda and cuda_home and os.path.isdir(os.path.join(cuda_home, "include")):
-    extension_sources.append("src/device/cuda/cuda_device.cpp")
-    define_macros.append(("BLOCKSWAP_HAS_CUDA", "1"))
-    include_dirs.append(os.path.join(cuda_home, "include"))
-    libraries.append("cudart")
-    library_dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+if torch.version.cuda:
+    # torch's current CUDA stream (src/torch/torch_compat.cpp) comes from c10_cuda.
+    define_macros.append(("BLOCKSWAP_TORCH_CUDA", "1"))
+    libraries.append("c10_cuda")
+    if cuda_home and os.path.isdir(os.path.join(cuda_home, "include")):
+        extension_sources.append("src/device/cuda/cuda_device.cpp")
+        define_macros.append(("BLOCKSWAP_HAS_CUDA", "1"))
+        include_dirs.append(os.path.join(cuda_home, "include"))
+        libraries.append("cudart")
+        library_dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib")]
+    else:
+        print("blockswap: WARNING: torch has CUDA but no CUDA toolkit was found (set CUDA_HOME): "
+              "this build has no CUDA backend, and device='cuda' will raise", file=sys.stderr)
 
 setup(
     name="blockswap",
@@ -50,6 +71,9 @@ setup(
         )
     ],
     cmdclass={"build_ext": cpp_extension.BuildExtension},
-    python_requires=">=3.8",
-    install_requires=["torch"],
+    # One build tree per torch, apart from CMake's build/: objects compiled against one torch
+    # are never linked against another.
+    options={"build": {"build_base": os.path.join("build-python", "torch-" + torch.__version__)}},
+    python_requires=">=3.9",
+    install_requires=[f"torch=={torch_version}"],
 )

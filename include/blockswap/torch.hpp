@@ -64,12 +64,22 @@ namespace blockswap {
 // memory when it leaves. The steps are those of LibTorch's torch::optim::SGD and AdamW
 // (torch.optim's in Python), bitwise on the CPU; a parameter that got no gradient is not
 // stepped, as there.
+// Which of torch's implementations of an optimizer the fused step reproduces bit for bit.
+// They compute the same formula; their kernels round differently in the last bits.
+enum class OptimizerKernel {
+  libtorch,    // torch::optim's C++ SGD / AdamW (the C++ default)
+  for_loop,    // torch.optim's single-tensor path (foreach=False)
+  foreach,     // torch.optim's foreach path (foreach=True)
+  fused,       // torch.optim's fused=True
+  torch_optim, // torch.optim's own default for the device: foreach on CUDA, for_loop elsewhere
+};
 struct FusedSGD {
   double lr = 0;
   double momentum = 0; // 0: no state; else one momentum buffer per parameter
   double dampening = 0;
   double weight_decay = 0;
   bool nesterov = false;
+  OptimizerKernel kernel = OptimizerKernel::libtorch;
 };
 struct FusedAdamW {
   double lr = 1e-3;
@@ -77,6 +87,7 @@ struct FusedAdamW {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 1e-2; // decoupled: p *= 1 - lr * weight_decay
+  OptimizerKernel kernel = OptimizerKernel::libtorch;
 };
 // One parameter's step, for a callback (FusedCustom). `param` and `state` are views of the
 // block's memory on the device (StepOn::host: of its host copy, on the step's own thread, one

@@ -23,7 +23,10 @@ import weakref as _weakref
 
 import torch as _torch
 
-from . import _C
+from . import _compat
+
+_compat.check_torch()
+_C = _compat.load_extension()
 
 __all__ = ["ModelOffloader", "Device", "open_device", "Error", "OutOfMemoryError", "FusedSGD",
            "FusedAdamW", "node_memory_use"]
@@ -245,14 +248,17 @@ class _FusedOptimizer(_torch.optim.Optimizer):
 
 class FusedSGD(_FusedOptimizer):
     """SGD as ``torch.optim.SGD`` computes it (momentum, dampening, weight_decay, nesterov),
-    run per parameter inside backward by the offloader it is given to."""
+    run per parameter inside backward by the offloader it is given to. ``foreach`` and
+    ``fused`` are torch.optim's: the step is bitwise that implementation's (None: torch.optim's
+    default for the device, foreach on CUDA, the for-loop on the CPU)."""
 
     _kind = "sgd"
 
     def __init__(self, params, lr, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                 nesterov=False):
+                 nesterov=False, *, foreach=None, fused=None):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov)
+                        weight_decay=weight_decay, nesterov=nesterov, foreach=foreach,
+                        fused=fused)
         self._check(defaults)
         super().__init__(params, defaults)
 
@@ -263,10 +269,12 @@ class FusedSGD(_FusedOptimizer):
                 raise ValueError(f"FusedSGD: invalid {key} {group[key]}: it must be >= 0")
         if group["nesterov"] and (group["momentum"] <= 0 or group["dampening"] != 0):
             raise ValueError("FusedSGD: Nesterov momentum requires a momentum and zero dampening")
+        _compat.optimizer_kernel(group.get("foreach"), group.get("fused"))
 
     @staticmethod
     def _flat(group):
-        return {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+        flat = {k: group[k] for k in ("lr", "momentum", "dampening", "weight_decay", "nesterov")}
+        return dict(flat, kernel=_compat.optimizer_kernel(group.get("foreach"), group.get("fused")))
 
     def _state_names(self):
         return ["momentum_buffer"] if self.param_groups[0]["momentum"] != 0 else []
@@ -285,12 +293,15 @@ class FusedSGD(_FusedOptimizer):
 class FusedAdamW(_FusedOptimizer):
     """AdamW as ``torch.optim.AdamW`` computes it (decoupled weight decay, bias correction, a
     step count per parameter), run per parameter inside backward by the offloader it is given
-    to."""
+    to. ``foreach`` and ``fused`` are torch.optim's: the step is bitwise that implementation's
+    (None: torch.optim's default for the device, foreach on CUDA, the for-loop on the CPU)."""
 
     _kind = "adamw"
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
+                 foreach=None, fused=None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        foreach=foreach, fused=fused)
         self._check(defaults)
         super().__init__(params, defaults)
 
@@ -303,11 +314,13 @@ class FusedAdamW(_FusedOptimizer):
             if not 0.0 <= beta < 1.0:
                 raise ValueError(f"FusedAdamW: invalid beta parameter at index {i}: {beta} "
                                  "(it must be in [0, 1))")
+        _compat.optimizer_kernel(group.get("foreach"), group.get("fused"))
 
     @staticmethod
     def _flat(group):
         return dict(lr=group["lr"], beta1=group["betas"][0], beta2=group["betas"][1],
-                    eps=group["eps"], weight_decay=group["weight_decay"])
+                    eps=group["eps"], weight_decay=group["weight_decay"],
+                    kernel=_compat.optimizer_kernel(group.get("foreach"), group.get("fused")))
 
     def _state_names(self):
         return ["exp_avg", "exp_avg_sq"]

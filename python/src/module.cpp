@@ -3,7 +3,9 @@
 // seed-compatible face; this module is what it calls.
 #include <pybind11/functional.h>
 #include <torch/extension.h>
+#include <torch/version.h>
 
+#include <array>
 #include <functional>
 #include <map>
 #include <memory>
@@ -56,12 +58,20 @@ struct Offloader {
 // The Python optimizer's kind and hyper-parameters (blockswap.FusedSGD, FusedAdamW).
 FusedOptimizer fused_optimizer(const std::string& kind, const std::map<std::string, double>& h) {
   if (kind.empty()) return std::monostate{};
+  // torch.optim's implementations (blockswap/_optim.py's kernel numbers); unset: its default.
+  const auto found = h.find("kernel");
+  const int code = found == h.end() ? 0 : static_cast<int>(found->second);
+  BLOCKSWAP_CHECK(code >= 0 && code <= 3, "unknown optimizer kernel ", code);
+  const OptimizerKernel kernel =
+      std::array{OptimizerKernel::torch_optim, OptimizerKernel::for_loop, OptimizerKernel::foreach,
+                 OptimizerKernel::fused}[code];
   if (kind == "sgd") {
     return FusedSGD{h.at("lr"), h.at("momentum"), h.at("dampening"), h.at("weight_decay"),
-                    h.at("nesterov") != 0};
+                    h.at("nesterov") != 0, kernel};
   }
   BLOCKSWAP_CHECK(kind == "adamw", "unknown optimizer kind '", kind, "'");
-  return FusedAdamW{h.at("lr"), h.at("beta1"), h.at("beta2"), h.at("eps"), h.at("weight_decay")};
+  return FusedAdamW{h.at("lr"),  h.at("beta1"),        h.at("beta2"),
+                    h.at("eps"), h.at("weight_decay"), kernel};
 }
 
 std::unique_ptr<Offloader> make_offloader(std::string block_type,
@@ -123,6 +133,8 @@ std::unique_ptr<Offloader> make_offloader(std::string block_type,
 PYBIND11_MODULE(_C, m) {
   using namespace blockswap;
   m.doc() = "blockswap's C++ core for Python; use blockswap.ModelOffloader";
+  // The torch this module was compiled against (blockswap/_compat.py refuses another).
+  m.attr("torch_version") = TORCH_VERSION;
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<OutOfMemory> out_of_memory(m, "OutOfMemoryError", error.ptr());
   py::register_exception_translator([](std::exception_ptr p) {

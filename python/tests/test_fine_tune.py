@@ -83,6 +83,40 @@ def test_fused_steps_equal_torch_optim_for_every_k(kind, accumulation, step_on):
                     "after close")
 
 
+IMPLEMENTATIONS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
+                   "fused": dict(fused=True)}
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("kind", ["sgd", "sgd-nesterov", "adamw"])
+def test_each_torch_optim_implementation_is_bitwise_that_one(kind, implementation):
+    # torch.optim computes one formula three ways (the for-loop, foreach, fused kernels), which
+    # round differently: the fused step named with the same arguments is bitwise that one.
+    args = IMPLEMENTATIONS[implementation]
+    if kind == "adamw":
+        hyper = dict(lr=0.01, weight_decay=0.1)
+        make = (torch.optim.AdamW, blockswap.FusedAdamW)
+    else:
+        hyper = dict(lr=0.05, momentum=0.9, weight_decay=0.01, nesterov=kind == "sgd-nesterov",
+                     dampening=0.0 if kind == "sgd-nesterov" else 0.1)
+        make = (torch.optim.SGD, blockswap.FusedSGD)
+    reference = fine_tune_blocks()
+    expected = train(reference, make[0](trainable(reference), **hyper, **args), 2)
+    for k in (0, 2, N - 2):
+        blocks = fine_tune_blocks()
+        optimizer = make[1](trainable(blocks), **hyper, **args)
+        with blockswap.ModelOffloader("blocks", blocks, N, k, True, torch.device("cpu"), False,
+                                      optimizer=optimizer, step_on="device",
+                                      gradient_accumulation_steps=2) as offloader:
+            got = train(blocks, optimizer, 2, offloader)
+        assert_same(expected, got, f"{kind} {implementation} K={k}")
+
+
+def test_foreach_and_fused_together_is_a_value_error():
+    with pytest.raises(ValueError, match="foreach and fused"):
+        blockswap.FusedAdamW(trainable(fine_tune_blocks()), foreach=True, fused=True)
+
+
 def test_a_learning_rate_scheduler_drives_the_fused_step():
     reference = fine_tune_blocks()
     ref_opt = torch.optim.AdamW(trainable(reference), lr=0.02)
@@ -316,38 +350,54 @@ def test_accumulation_that_cannot_follow_torch_optim_raises():
 
 
 @pytest.mark.parametrize("step_on", ["device", "host"])
-def test_a_block_weight_tied_into_the_loss_mid_pass_is_exact(step_on):
-    # Block 0's weight read after block 1 (block 0 has left the device by then): the stepped
-    # value, as torch.optim's.
+def test_a_block_weight_read_mid_pass_is_the_stepped_value_and_used_in_the_loss_raises(step_on):
+    # Block 0's weight read after block 1 (block 0 has left the device by then, and is a host
+    # tensor: on a GPU another device than in its block): its value is the stepped one, as
+    # torch.optim's; tied into the loss it gets a gradient outside its block's backward, which
+    # raises instead of stepping twice (docs/guide.md).
     inputs = batches(3)
 
-    def train_tied(blocks, optimizer, offloader=None):
+    def train_reading(blocks, optimizer, offloader=None, seen=None):
         for step in range(3):
             if offloader is not None:
                 offloader.prepare_block_devices_before_forward()
-            x, tied = inputs[step], None
+            x = inputs[step]
             for i, block in enumerate(blocks):
                 if offloader is not None:
                     offloader.wait_for_block(i)
                 x = block(x)
                 if offloader is not None:
                     offloader.submit_move_blocks_forward(i)
-                if i == 1:
-                    tied = blocks[0].fc1.weight.pow(2).sum()
-            (x.pow(2).mean() + tied).backward()
+                if i == 1 and seen is not None:
+                    seen.append(blocks[0].fc1.weight.detach().clone())
+            x.pow(2).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         return [p.detach().clone() for b in blocks for p in b.parameters()]
 
     reference = fine_tune_blocks()
-    expected = train_tied(reference, torch.optim.SGD(trainable(reference), lr=0.1))
+    seen_expected = []
+    expected = train_reading(reference, torch.optim.SGD(trainable(reference), lr=0.1),
+                             seen=seen_expected)
     for k in (1, 2):
         blocks = fine_tune_blocks()
         optimizer = blockswap.FusedSGD(trainable(blocks), lr=0.1)
+        seen = []
         with blockswap.ModelOffloader("blocks", blocks, N, k, True, "cpu", False,
                                       optimizer=optimizer, step_on=step_on) as offloader:
-            got = train_tied(blocks, optimizer, offloader)
-        assert_same(expected, got, f"K={k} step on the {step_on}")
+            got = train_reading(blocks, optimizer, offloader, seen)
+            assert_same(seen_expected, seen, f"K={k} read mid-pass, step on the {step_on}")
+            assert_same(expected, got, f"K={k} step on the {step_on}")
+            offloader.prepare_block_devices_before_forward()
+            x, tied = inputs[0], None
+            for i, block in enumerate(blocks):
+                offloader.wait_for_block(i)
+                x = block(x)
+                offloader.submit_move_blocks_forward(i)
+                if i == 1:
+                    tied = blocks[0].fc1.weight.pow(2).sum()
+            with pytest.raises(RuntimeError, match="'fc1.weight' of block 0"):
+                (x.pow(2).mean() + tied).backward()
 
 
 def test_torch_optim_options_the_fused_step_does_not_compute_are_refused():

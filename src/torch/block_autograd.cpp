@@ -87,11 +87,10 @@ struct GradientReady : torch::autograd::FunctionPostHook {
 
 } // namespace
 
-std::shared_ptr<torch::autograd::Node>
-on_gradient(const at::Tensor& parameter, const std::shared_ptr<BackwardEvents>& events,
-            int64_t block, std::size_t param) {
-  std::shared_ptr<torch::autograd::Node> accumulator =
-      torch::autograd::impl::grad_accumulator(parameter);
+compat::NodePtr on_gradient(const at::Tensor& parameter,
+                            const std::shared_ptr<BackwardEvents>& events, int64_t block,
+                            std::size_t param) {
+  compat::NodePtr accumulator = compat::grad_accumulator(parameter);
   BLOCKSWAP_ASSERT(accumulator != nullptr, "a trainable parameter without a gradient accumulator");
   auto hook = std::make_unique<GradientReady>();
   hook->events = events;

@@ -17,6 +17,7 @@
 #include <string>
 
 #include "blockswap/core/backend.hpp"
+#include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
 
@@ -38,7 +39,7 @@ public:
 // Calls events->gradient_ready(block, param) each time autograd has accumulated a gradient into
 // `parameter` (a leaf that requires grad). Returns the parameter's gradient accumulator, which
 // carries the hook: keep it, or autograd may make a new one without it.
-std::shared_ptr<torch::autograd::Node>
+compat::NodePtr
 on_gradient(const at::Tensor& parameter, const std::shared_ptr<BackwardEvents>& events,
             int64_t block, std::size_t param);
 

@@ -14,6 +14,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
 namespace {
@@ -173,10 +174,23 @@ at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
       at::TensorOptions().dtype(t.dtype).device(at::kCPU));
 }
 
-void BlockBinder::bind(PackedTensor& t, const at::Tensor& data) {
+// Note [device change]
+// On a real device, set_data from a host copy to a slot (or back) changes the parameter's
+// device, and autograd then forgets its gradient accumulator: the next forward makes a new one,
+// without the hooks on the old (VariableHooks::set_data). The emulated device's slots are host
+// memory too, so the binder does what set_data does there, and every test on the emulated
+// device sees what a GPU does. Whoever hooks an accumulator (the fused step, Note [fused step])
+// hooks the new one in `rebound_hook`, which runs after every bind of a trainable tensor.
+void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device) {
+  PackedTensor& t = layouts_[block].tensors[index];
   t.variable.set_data(data);
+  if (device_.is_cpu() && t.on_device != on_device && t.variable.requires_grad()) {
+    compat::forget_grad_accumulator(t.variable);
+  }
+  t.on_device = on_device;
   t.bound_data = t.variable.data_ptr();
   t.bound_version = t.variable._version();
+  if (t.role == Role::trainable && rebound_hook) rebound_hook(block, index);
 }
 
 // Note [inference mode]
@@ -205,10 +219,13 @@ void BlockBinder::pack(Engine& engine, HostCopies copies) {
   }
   std::lock_guard lock(claims().mutex);
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    for (PackedTensor& t : layouts_[b].tensors) {
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      PackedTensor& t = layouts_[b].tensors[i];
       claims().tensors.insert(t.variable.unsafeGetTensorImpl());
-      bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
-                      : host_view(static_cast<int64_t>(b), t));
+      bind(static_cast<int64_t>(b), i,
+           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                   : host_view(static_cast<int64_t>(b), t),
+           false);
     }
   }
 }
@@ -278,14 +295,15 @@ void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
 void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   at::NoGradGuard no_grad;
-  for (PackedTensor& t : layouts_[block].tensors) {
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    PackedTensor& t = layouts_[block].tensors[i];
     const bool changed = caller_changed(t);
     if (changed) save_changes(block, t);
     at::Tensor view = at::from_blob(
         slot->data() + t.offset, t.sizes, [keep = slot](void*) mutable { keep.reset(); },
         at::TensorOptions().dtype(t.dtype).device(device_));
     if (changed) view.copy_(host_view(block, t)); // the load may have carried older values
-    bind(t, view);
+    bind(block, i, view, true);
   }
 }
 
@@ -294,9 +312,12 @@ void BlockBinder::on_evicted(int64_t block) {
   for (PackedTensor& t : layouts_[block].tensors) {
     if (caller_changed(t)) save_changes(block, t);
   }
-  for (PackedTensor& t : layouts_[block].tensors) {
-    bind(t, strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
-                    : host_view(block, t));
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    const PackedTensor& t = layouts_[block].tensors[i];
+    bind(block, i,
+         strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                 : host_view(block, t),
+         false);
   }
 }
 
@@ -314,14 +335,15 @@ void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
     const at::Tensor view = host_view(block, t);
     // What the caller wrote into the old region since is theirs: it goes with the tensor.
     if (caller_changed(t) && t.variable.sizes().vec() == t.sizes) view.copy_(t.variable.detach());
-    bind(t, view);
+    bind(block, i, view, false);
   }
 }
 
 void BlockBinder::restore_to_host() {
   const c10::InferenceMode normal(false); // Note [inference mode]
   for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
-    for (PackedTensor& t : layouts_[b].tensors) {
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      PackedTensor& t = layouts_[b].tensors[i];
       try {
         // What changed on the device stays: a trainable block that never left it was never
         // written back.
@@ -332,7 +354,7 @@ void BlockBinder::restore_to_host() {
       } catch (const std::exception& e) {
         std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
       }
-      bind(t, host_view(static_cast<int64_t>(b), t));
+      bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
     }
   }
   std::lock_guard lock(claims().mutex);

@@ -32,6 +32,7 @@ struct PackedTensor {
   // tensors] in the .cpp).
   const void* bound_data = nullptr;
   int64_t bound_version = 0;
+  bool on_device = false; // bound to a slot (Note [device change] in the .cpp)
 };
 
 // A trainable parameter of a block and its optimizer state, as indices into
@@ -115,6 +116,9 @@ public:
   }
   // Called before a block is loaded from its host copy (ResidencyListener::before_load).
   std::function<void(int64_t)> before_load_hook;
+  // Called after each bind of a trainable tensor (index into the block's tensors): its
+  // gradient accumulator may be a new one (Note [device change] in the .cpp).
+  std::function<void(int64_t, std::size_t)> rebound_hook;
   void before_load(int64_t block) override {
     if (before_load_hook) before_load_hook(block);
   }
@@ -126,7 +130,7 @@ public:
 private:
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
   void save_changes(int64_t block, PackedTensor& t) const;
-  static void bind(PackedTensor& t, const at::Tensor& data);
+  void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
 
   std::vector<BlockLayout> layouts_;
   std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()

@@ -17,12 +17,49 @@ template <class... Fs> struct Overloaded : Fs... { using Fs::operator()...; };
 template <class... Fs> Overloaded(Fs...) -> Overloaded<Fs...>;
 
 // Note [the steps]
-// The same tensor operations, in the same order and with the same scalars, as LibTorch's
-// torch::optim::SGD and AdamW (and torch.optim's single-tensor versions, which agree with them),
-// so that a parameter stepped here is bitwise the one those optimizers make on the same device.
-// Changing an expression (fusing two ops, reordering a product) changes the last bits: the
-// tests against torch::optim and torch.optim catch it.
+// The same tensor operations, in the same order and with the same scalars, as the torch
+// implementation each OptimizerKernel names, so that a parameter stepped here is bitwise the one
+// that implementation makes on the same device: LibTorch's torch::optim (mul_/add_ for AdamW's
+// first moment), torch.optim's single-tensor path (lerp_ since torch 2.1, the bias correction's
+// square root as a power of 0.5), its foreach path (the _foreach_ ops, on one-tensor lists) and
+// its fused path (the _fused_ kernels). Changing an expression (fusing two ops, reordering a
+// product) changes the last bits: the tests against torch::optim and torch.optim catch it.
+OptimizerKernel resolve(OptimizerKernel kernel, const at::Tensor& param) {
+  if (kernel != OptimizerKernel::torch_optim) return kernel;
+  return param.is_cuda() ? OptimizerKernel::foreach : OptimizerKernel::for_loop;
+}
+
 void sgd(const FusedSGD& o, const ParamStep& a) {
+  const OptimizerKernel kernel = resolve(o.kernel, a.param);
+  const std::vector<at::Tensor> param{a.param};
+  if (kernel == OptimizerKernel::fused) {
+    const std::vector<at::Tensor> buffers =
+        o.momentum != 0 ? std::vector<at::Tensor>{a.state[0]} : std::vector<at::Tensor>{};
+    at::_fused_sgd_(param, {a.grad}, buffers, o.weight_decay, o.momentum, o.lr, o.dampening,
+                    o.nesterov, false, a.step == 1);
+    return;
+  }
+  if (kernel == OptimizerKernel::foreach) {
+    std::vector<at::Tensor> grads{a.grad};
+    if (o.weight_decay != 0) grads = at::_foreach_add(grads, param, o.weight_decay);
+    if (o.momentum != 0) {
+      const std::vector<at::Tensor> buffers{a.state[0]};
+      if (a.step == 1) {
+        a.state[0].copy_(grads[0]);
+      } else {
+        at::_foreach_mul_(buffers, o.momentum);
+        at::_foreach_add_(buffers, grads, 1 - o.dampening);
+      }
+      if (o.nesterov) {
+        grads = {grads[0].clone()}; // Python adds into the gradient list in place
+        at::_foreach_add_(grads, buffers, o.momentum);
+      } else {
+        grads = buffers;
+      }
+    }
+    at::_foreach_add_(param, grads, -o.lr);
+    return;
+  }
   at::Tensor d_p = a.grad;
   if (o.weight_decay != 0) d_p = d_p.add(a.param, o.weight_decay);
   if (o.momentum != 0) {
@@ -38,15 +75,43 @@ void sgd(const FusedSGD& o, const ParamStep& a) {
 }
 
 void adamw(const FusedAdamW& o, const ParamStep& a) {
-  if (o.weight_decay != 0) a.param.mul_(1 - o.lr * o.weight_decay);
+  const OptimizerKernel kernel = resolve(o.kernel, a.param);
   const at::Tensor& exp_avg = a.state[0];
   const at::Tensor& exp_avg_sq = a.state[1];
-  const double bias_correction1 = 1 - std::pow(o.beta1, a.step);
-  const double bias_correction2 = 1 - std::pow(o.beta2, a.step);
-  exp_avg.mul_(o.beta1).add_(a.grad, 1 - o.beta1);
-  exp_avg_sq.mul_(o.beta2).addcmul_(a.grad, a.grad, 1 - o.beta2);
-  const at::Tensor denom = (exp_avg_sq.sqrt() / std::sqrt(bias_correction2)).add_(o.eps);
+  if (kernel == OptimizerKernel::fused) {
+    // torch.optim keeps a fused step's count as a float32 tensor on the parameter's device.
+    const at::Tensor step =
+        at::full({}, static_cast<double>(a.step), a.param.options().dtype(at::kFloat));
+    at::_fused_adamw_({a.param}, {a.grad}, {exp_avg}, {exp_avg_sq}, {}, {step}, o.lr, o.beta1,
+                      o.beta2, o.weight_decay, o.eps, false, false);
+    return;
+  }
+  const double bias_correction1 = 1 - std::pow(o.beta1, static_cast<double>(a.step));
+  const double bias_correction2 = 1 - std::pow(o.beta2, static_cast<double>(a.step));
   const double step_size = o.lr / bias_correction1;
+  if (kernel == OptimizerKernel::foreach) {
+    const std::vector<at::Tensor> param{a.param}, grads{a.grad}, avgs{exp_avg}, sqs{exp_avg_sq};
+    if (o.weight_decay != 0) at::_foreach_mul_(param, 1 - o.lr * o.weight_decay);
+    at::_foreach_lerp_(avgs, grads, 1 - o.beta1);
+    at::_foreach_mul_(sqs, o.beta2);
+    at::_foreach_addcmul_(sqs, grads, grads, 1 - o.beta2);
+    const std::vector<at::Tensor> denom = at::_foreach_sqrt(sqs);
+    at::_foreach_div_(denom, std::pow(bias_correction2, 0.5));
+    at::_foreach_add_(denom, o.eps);
+    at::_foreach_addcdiv_(param, avgs, denom, step_size * -1);
+    return;
+  }
+  if (o.weight_decay != 0) a.param.mul_(1 - o.lr * o.weight_decay);
+  if (kernel == OptimizerKernel::libtorch) {
+    exp_avg.mul_(o.beta1).add_(a.grad, 1 - o.beta1);
+  } else {
+    exp_avg.lerp_(a.grad, 1 - o.beta1);
+  }
+  exp_avg_sq.mul_(o.beta2).addcmul_(a.grad, a.grad, 1 - o.beta2);
+  const double bias_correction2_sqrt = kernel == OptimizerKernel::libtorch
+                                           ? std::sqrt(bias_correction2)
+                                           : std::pow(bias_correction2, 0.5);
+  const at::Tensor denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
   a.param.addcdiv_(exp_avg, denom, -step_size);
 }
 
@@ -58,7 +123,7 @@ void clip(const at::Tensor& grad, double max_norm, bool as_python) {
   const at::Tensor coefficient = as_python
                                      ? (at::stack({norm}).norm(2) + 1e-6).reciprocal() * max_norm
                                      : max_norm / (norm + 1e-6);
-  grad.mul_(at::clamp(coefficient, c10::nullopt, 1.0));
+  grad.mul_(at::clamp(coefficient, std::nullopt, 1.0));
 }
 
 std::vector<std::string> state_names(const FusedOptimizer& optimizer) {
@@ -176,13 +241,19 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   params_.assign(layouts.size(), {});
   in_backward_.assign(layouts.size(), false);
   if (!enabled_) return;
+  events_ = events;
+  hooked_.assign(layouts.size(), {});
   for (std::size_t b = 0; b < layouts.size(); ++b) {
     params_[b].resize(layouts[b].trainable.size());
-    for (std::size_t p = 0; p < layouts[b].trainable.size(); ++p) {
-      const PackedTensor& t = layouts[b].tensors[layouts[b].trainable[p].tensor];
-      accumulators_.push_back(on_gradient(t.variable, events, static_cast<int64_t>(b), p));
-    }
+    hooked_[b].resize(layouts[b].trainable.size());
+    for (std::size_t p = 0; p < layouts[b].trainable.size(); ++p) hook(static_cast<int64_t>(b), p);
   }
+  binder.rebound_hook = [this](int64_t block, std::size_t tensor) {
+    const auto& trainable = binder_->layouts()[block].trainable;
+    for (std::size_t p = 0; p < trainable.size(); ++p) {
+      if (trainable[p].tensor == tensor) hook(block, p);
+    }
+  };
   if (!on_host_) return;
   const auto names = state_names(optimizer_);
   host_.resize(layouts.size());
@@ -202,6 +273,18 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   }
   binder.before_load_hook = [this](int64_t block) { wait_for_block(block); };
   worker_ = std::thread([this] { work(); });
+}
+
+// Note [device change] in block_packing.cpp: a parameter that moves between the host and the
+// device gets a new gradient accumulator, so the hook goes on whichever one the parameter has
+// now (the graph of a forward keeps the one it used, hooked when the parameter was bound).
+void FineTuner::hook(int64_t block, std::size_t param) {
+  const auto events = events_.lock();
+  if (!events) return;
+  const PackedTensor& t = binder_->tensor(block, binder_->layouts()[block].trainable[param].tensor);
+  compat::NodePtr accumulator = compat::grad_accumulator(t.variable);
+  if (accumulator == hooked_[block][param]) return;
+  hooked_[block][param] = on_gradient(t.variable, events, block, param);
 }
 
 void FineTuner::stop() {
@@ -403,6 +486,26 @@ void FineTuner::backward_done() {
   // Reentrant checkpointing runs a backward per checkpoint inside the outer one: the step is
   // over when the next pass starts.
   if (!per_pass_) end_step();
+  check_no_gradient_missed();
+}
+
+// The hook takes every gradient out of .grad (gradient_ready): one left there at the end of a
+// backward went to an accumulator without the hook, and its parameter did not step. Raising is
+// the only honest answer; the gradient is dropped so that the next backward does not add to it.
+void FineTuner::check_no_gradient_missed() const {
+  for (std::size_t b = 0; b < params_.size(); ++b) {
+    for (const TrainableParam& where : binder_->layouts()[b].trainable) {
+      at::Tensor variable = binder_->tensor(static_cast<int64_t>(b), where.tensor).variable;
+      if (!variable.grad().defined()) continue;
+      variable.mutable_grad().reset();
+      throw Error(detail::concat(
+          "[", label_, "] parameter '", binder_->tensor(static_cast<int64_t>(b), where.tensor).name,
+          "' of block ", b, " got a gradient that the fused step did not see, so it did not "
+          "step: its gradient accumulator was replaced behind blockswap (the parameter moved "
+          "with .data = or set_data, or to another device); move a model's parameters before "
+          "building its ModelOffloader"));
+    }
+  }
 }
 
 void FineTuner::end_step() {

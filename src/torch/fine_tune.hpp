@@ -100,6 +100,11 @@ private:
     bool final = false;
   };
   void check_attached(int64_t block) const;
+  // Puts the hook on the gradient accumulator the parameter has now, unless it is there.
+  void hook(int64_t block, std::size_t param);
+  // Throws Error for a trainable parameter whose gradient autograd accumulated without the
+  // hook seeing it: it was not stepped.
+  void check_no_gradient_missed() const;
   // The step itself: `grad` is the gradient of this backward; earlier ones are summed in
   // `sum` until the last backward of a step. `param` and `state` are where the step runs.
   void step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum, bool final,
@@ -122,7 +127,9 @@ private:
   std::string label_;
   BlockBinder* binder_ = nullptr;
   Engine* engine_ = nullptr;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  // The gradient accumulator of each trainable parameter that carries the hook, [block][param].
+  std::vector<std::vector<compat::NodePtr>> hooked_;
+  std::weak_ptr<BackwardEvents> events_;
   std::vector<std::vector<Param>> params_;
   int64_t backwards_ = 0;         // backward calls since the last step, the running one too
   std::vector<bool> in_backward_; // blocks the backward now running reached

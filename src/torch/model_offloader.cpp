@@ -10,7 +10,7 @@
 #include "node_sharing.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
-#include "cuda_stream.hpp"
+#include "torch_compat.hpp"
 #include "fine_tune.hpp"
 
 namespace blockswap {
@@ -358,7 +358,7 @@ private:
 
 bool cuda_available() {
   return c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA) &&
-         torch_frontend::cuda_streams_supported() && Device::present("cuda");
+         torch_frontend::compat::torch_cuda_streams() && Device::present("cuda");
 }
 
 std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
@@ -367,10 +367,13 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
     // Checked here, so that a LibTorch without what the CUDA path needs fails before any pass.
     BLOCKSWAP_CHECK(c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ",
                     device.str(), ": this LibTorch was built without CUDA");
-    torch_frontend::check_cuda_streams();
-    const int index = device.has_index() ? device.index() : torch_frontend::current_cuda_device();
+    BLOCKSWAP_CHECK(torch_frontend::compat::torch_cuda_streams(), "device ", device.str(),
+                    ": this blockswap was built against a torch without CUDA; rebuild it "
+                    "against the CUDA build of torch it runs with");
+    const int index =
+        device.has_index() ? device.index() : torch_frontend::compat::current_cuda_device();
     if (!options.compute_stream) {
-      options.compute_stream = [index] { return torch_frontend::current_cuda_stream(index); };
+      options.compute_stream = [index] { return torch_frontend::compat::current_cuda_stream(index); };
     }
     return Device::open(detail::concat("cuda:", index), std::move(options));
   }

@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The README's Python install on this machine: a virtual environment that sees Debian's torch
-# (--system-site-packages), pip install --no-build-isolation of the checkout, then an import and
-# a swapped forward pass from outside the source tree.
+# The README's Python install on this machine: a fresh virtual environment with the project's
+# torch (python/requirements.txt), pip install --no-build-isolation of the checkout, then an
+# import and a swapped forward pass from outside the source tree; and `pip install .` without
+# --no-build-isolation, which must stop at once with the command to use.
 # Usage: pip_install_test.sh SOURCE_DIR WORK_DIR PYTHON
 set -euo pipefail
 source_dir=$1 work_dir=$2 python=$3
 rm -rf "$work_dir/venv"
 mkdir -p "$work_dir"
-"$python" -m venv --system-site-packages "$work_dir/venv"
+"$python" -m venv "$work_dir/venv"
+pip=("$work_dir/venv/bin/python" -m pip install -q --disable-pip-version-check)
 # ccache for the extension's compiles, as for the CMake build (its compiler links).
 if [ -d /usr/lib/ccache ]; then export PATH="/usr/lib/ccache:$PATH"; fi
-"$work_dir/venv/bin/pip" install -q --no-build-isolation "$source_dir"
+"${pip[@]}" -r "$source_dir/python/requirements.txt"
+
+# Without --no-build-isolation pip builds in an empty environment: one clear stop.
+if out=$("${pip[@]}" --no-deps "$source_dir" 2>&1); then
+  echo "pip install without --no-build-isolation succeeded; it must stop"; exit 1
+fi
+echo "$out" | grep -q "pip install --no-build-isolation ." \
+  || { echo "$out" | tail -20; echo "pip install: not the expected message"; exit 1; }
+
+"${pip[@]}" --no-build-isolation "$source_dir"
+"$work_dir/venv/bin/python" -m pip show blockswap | grep -q "^Requires: torch" \
+  || { echo "the built package does not require its torch"; exit 1; }
 cd "$work_dir"
 "$work_dir/venv/bin/python" - <<'PY'
+import importlib.metadata
 import torch
 import blockswap
 
 assert blockswap.__file__.startswith(__import__("sys").prefix), blockswap.__file__
+# The wheel requires exactly the torch it was built against.
+assert importlib.metadata.requires("blockswap") == [f"torch=={torch.__version__.split('+')[0]}"]
 blocks = [torch.nn.Linear(8, 8).requires_grad_(False) for _ in range(4)]
 expected = torch.randn(2, 8)
 x = expected.clone()

@@ -175,7 +175,8 @@ TEST(ModelOffloader, MisuseRaisesClearErrors) {
       "at least one block");
   expect_error(
       [&] {
-        ModelOffloader("blocks", {model.blocks[0].ptr(), model.blocks[0].ptr()}, options(0, false));
+        ModelOffloader("blocks", BlockList{model.blocks[0].ptr(), model.blocks[0].ptr()},
+                       options(0, false));
       },
       "block 1 is the same module as block 0");
   {
@@ -228,8 +229,12 @@ TEST(ModelOffloader, NonResidentTensorsReadTheirTrueValues) {
       }
       expect_bitwise(model.blocks[b]->scale, reference.blocks[b]->scale, "scale");
     }
-    expect_bitwise(model.blocks[away]->forward(in.x, in.context),
-                   reference.blocks[away]->forward(in.x, in.context), "a block off the device");
+    // On the emulated device a block off the device still computes (its host tensors are on
+    // the same torch device); on a GPU they are host tensors, and computing raises.
+    if (!kDevice.is_cuda()) {
+      expect_bitwise(model.blocks[away]->forward(in.x, in.context),
+                     reference.blocks[away]->forward(in.x, in.context), "a block off the device");
+    }
     // torch::save of a block while it is off the device writes its weights.
     std::stringstream saved;
     torch::save(model.blocks[away], saved);

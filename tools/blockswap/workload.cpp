@@ -159,7 +159,8 @@ double max_abs_diff(const Phase& a, const Phase& b) {
   BLOCKSWAP_ASSERT(a.results.size() == b.results.size());
   double diff = 0;
   for (std::size_t i = 0; i < a.results.size(); ++i) {
-    diff = std::max(diff, (a.results[i] - b.results[i]).abs().max().item<double>());
+    // On the host: a swapped block's weights are host tensors once the offloader is gone.
+    diff = std::max(diff, (a.results[i].cpu() - b.results[i].cpu()).abs().max().item<double>());
   }
   return diff;
 }

@@ -1,0 +1,37 @@
+"""The torch versions blockswap supports (2.7 to 2.14) are checked at import, before the
+compiled module loads, and the module refuses a torch other than the one it was built for."""
+
+import os
+import subprocess
+import sys
+
+import torch
+
+import blockswap
+
+
+def import_with_torch_version(version):
+    """Imports blockswap in a fresh interpreter whose torch claims to be `version`."""
+    code = f"import torch; torch.__version__ = {version!r}; import blockswap"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ), timeout=120)
+
+
+def test_the_module_says_which_torch_it_was_built_for():
+    assert blockswap._C.torch_version.split("+")[0] == torch.__version__.split("+")[0]
+
+
+def test_a_torch_older_than_2_7_is_one_clear_import_error():
+    result = import_with_torch_version("2.6.0+cpu")
+    assert result.returncode != 0
+    assert "ImportError: blockswap needs torch 2.7 to 2.14; this is torch 2.6.0+cpu" in result.stderr
+
+
+def test_another_torch_than_the_one_it_was_built_for_is_refused_with_the_command_to_rebuild():
+    built = torch.__version__.split("+")[0]
+    major, minor = built.split(".")[:2]
+    other = f"{major}.{int(minor) + 1}.0"
+    result = import_with_torch_version(other)
+    assert result.returncode != 0
+    assert f"blockswap was built against torch {built}, and this is torch {other}" in result.stderr
+    assert "pip install --no-build-isolation" in result.stderr

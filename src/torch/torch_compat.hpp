@@ -1,0 +1,39 @@
+// Every difference between the torch versions blockswap supports (2.7 to 2.14), and the torch
+// internals it reaches into, in one place: nothing else in blockswap branches on a version.
+// Implementer-only (src/torch).
+#pragma once
+
+#include <ATen/Tensor.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <utility>
+
+struct CUstream_st;
+
+namespace blockswap::torch_frontend::compat {
+
+// The oldest torch blockswap supports (cmake/BlockswapTorch.cmake checks the same range).
+inline constexpr int min_torch_major = 2;
+inline constexpr int min_torch_minor = 7;
+
+// autograd's owning pointer to a node: std::shared_ptr<Node> up to torch 2.12,
+// c10::intrusive_ptr<Node> from 2.13 on.
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()));
+
+// The leaf's gradient accumulator, made if it has none (the one the next forward will use).
+NodePtr grad_accumulator(const at::Tensor& leaf);
+// The leaf's gradient accumulator if it has one now, else null; makes none.
+NodePtr current_grad_accumulator(const at::Tensor& leaf);
+// Drops the leaf's link to its gradient accumulator, as set_data does when a tensor changes
+// device (Note [device change] in block_binder): the next forward makes a new one.
+void forget_grad_accumulator(const at::Tensor& leaf);
+
+// Whether this torch was built with CUDA and blockswap with its CUDA-stream integration.
+bool torch_cuda_streams();
+// The device index torch considers current on CUDA.
+int current_cuda_device();
+// The stream torch computes on now on CUDA device `device` (the raw cudaStream_t). Throws
+// Error where torch_cuda_streams() is false.
+CUstream_st* current_cuda_stream(int device);
+
+} // namespace blockswap::torch_frontend::compat
