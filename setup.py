@@ -68,6 +68,8 @@ setup(
             libraries=libraries,
             library_dirs=library_dirs,
             extra_compile_args=["-std=c++20", "-O2"],
+            # Note [one C++ runtime per module] in CMakeLists.txt.
+            extra_link_args=["-Wl,--exclude-libs,ALL"],
         )
     ],
     cmdclass={"build_ext": cpp_extension.BuildExtension},

@@ -35,3 +35,18 @@ def test_another_torch_than_the_one_it_was_built_for_is_refused_with_the_command
     assert result.returncode != 0
     assert f"blockswap was built against torch {built}, and this is torch {other}" in result.stderr
     assert "pip install --no-build-isolation" in result.stderr
+
+
+def test_numbers_in_the_compiled_modules_messages_are_formatted():
+    # A module whose C++ runtime is half its own and half torch's (a compiler that links
+    # libstdc++ statically, as the GPU machine's does, without Note [one C++ runtime per module])
+    # loses the numbers of its messages, or crashes formatting them.
+    blocks = [torch.nn.Linear(8, 8).requires_grad_(False) for _ in range(4)]
+    with blockswap.ModelOffloader("b", blocks, 4, 2, False, torch.device("cpu"), False) as o:
+        o.prepare_block_devices_before_forward()
+        try:
+            o._impl.wait_for_block(17)
+        except blockswap.Error as e:
+            assert "block index 17 is out of range for 4 blocks" in str(e)
+        else:
+            raise AssertionError("wait_for_block(17) did not raise")
