@@ -57,13 +57,6 @@
 
 namespace blockswap {
 
-// Full fine-tuning (docs/guide.md, "Fine-tuning"): with an optimizer in Options, the blocks'
-// parameters that require grad swap with their blocks (packed after the frozen ones, with the
-// optimizer's state for them) and are stepped during backward, each as soon as its gradient is
-// complete (the "fused backward pass"); a block changed on the device is written back to host
-// memory when it leaves. The steps are those of LibTorch's torch::optim::SGD and AdamW
-// (torch.optim's in Python), bitwise on the CPU; a parameter that got no gradient is not
-// stepped, as there.
 // Which of torch's implementations of an optimizer the fused step reproduces bit for bit.
 // They compute the same formula; their kernels round differently in the last bits.
 enum class OptimizerKernel {
@@ -73,6 +66,14 @@ enum class OptimizerKernel {
   fused,       // torch.optim's fused=True
   torch_optim, // torch.optim's own default for the device: foreach on CUDA, for_loop elsewhere
 };
+
+// Full fine-tuning (docs/guide.md, "Fine-tuning"): with an optimizer in Options, the blocks'
+// parameters that require grad swap with their blocks (packed after the frozen ones, with the
+// optimizer's state for them) and are stepped during backward, each as soon as its gradient is
+// complete (the "fused backward pass"); a block changed on the device is written back to host
+// memory when it leaves. The steps are bitwise those of the implementation `kernel` names on
+// the same device: LibTorch's torch::optim::SGD and AdamW by default in C++, torch.optim's
+// default for the device in Python; a parameter that got no gradient is not stepped, as there.
 struct FusedSGD {
   double lr = 0;
   double momentum = 0; // 0: no state; else one momentum buffer per parameter

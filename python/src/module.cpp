@@ -141,9 +141,9 @@ PYBIND11_MODULE(_C, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const OutOfMemory& e) {
-      out_of_memory(e.what());
+      py::set_error(out_of_memory, e.what());
     } catch (const Error& e) {
-      error(e.what());
+      py::set_error(error, e.what());
     }
   });
 

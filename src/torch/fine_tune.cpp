@@ -243,16 +243,18 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   if (!enabled_) return;
   events_ = events;
   hooked_.assign(layouts.size(), {});
+  param_of_.assign(layouts.size(), {});
   for (std::size_t b = 0; b < layouts.size(); ++b) {
     params_[b].resize(layouts[b].trainable.size());
     hooked_[b].resize(layouts[b].trainable.size());
-    for (std::size_t p = 0; p < layouts[b].trainable.size(); ++p) hook(static_cast<int64_t>(b), p);
+    param_of_[b].assign(layouts[b].tensors.size(), 0);
+    for (std::size_t p = 0; p < layouts[b].trainable.size(); ++p) {
+      param_of_[b][layouts[b].trainable[p].tensor] = p;
+      hook(static_cast<int64_t>(b), p);
+    }
   }
   binder.rebound_hook = [this](int64_t block, std::size_t tensor) {
-    const auto& trainable = binder_->layouts()[block].trainable;
-    for (std::size_t p = 0; p < trainable.size(); ++p) {
-      if (trainable[p].tensor == tensor) hook(block, p);
-    }
+    hook(block, param_of_[block][tensor]);
   };
   if (!on_host_) return;
   const auto names = state_names(optimizer_);

@@ -129,6 +129,8 @@ private:
   Engine* engine_ = nullptr;
   // The gradient accumulator of each trainable parameter that carries the hook, [block][param].
   std::vector<std::vector<compat::NodePtr>> hooked_;
+  // [block][tensor]: which trainable parameter a trainable tensor of the block is.
+  std::vector<std::vector<std::size_t>> param_of_;
   std::weak_ptr<BackwardEvents> events_;
   std::vector<std::vector<Param>> params_;
   int64_t backwards_ = 0;         // backward calls since the last step, the running one too
