@@ -66,6 +66,20 @@ endfunction()
 
 find_package(Torch REQUIRED)
 blockswap_check_torch_version("${Torch_VERSION}" "${TORCH_INSTALL_PREFIX}")
+# torch's CMake package looks for its libraries in the system's directories before its own: with
+# another LibTorch installed there (Debian's libtorch-dev) it would link that one's.
+get_filename_component(blockswap_torch_library_dir "${TORCH_LIBRARY}" DIRECTORY)
+get_filename_component(blockswap_torch_library_dir "${blockswap_torch_library_dir}" REALPATH)
+get_filename_component(blockswap_torch_prefix_dir "${TORCH_INSTALL_PREFIX}" REALPATH)
+string(FIND "${blockswap_torch_library_dir}" "${blockswap_torch_prefix_dir}" blockswap_at)
+if(NOT blockswap_at EQUAL 0)
+  message(FATAL_ERROR
+    "torch ${Torch_VERSION} at ${TORCH_INSTALL_PREFIX} would link another LibTorch's library, "
+    "${TORCH_LIBRARY} (torch's CMake package searches the system's directories first). Remove "
+    "that LibTorch (Debian: apt-get remove libtorch-dev libtorch1.13), or configure in a fresh "
+    "build directory with -DTORCH_LIBRARY=${TORCH_INSTALL_PREFIX}/lib/libtorch.so and the same "
+    "for c10 and torch_cpu.")
+endif()
 # torch's ABI flag (-D_GLIBCXX_USE_CXX11_ABI) reaches only targets that link torch; every
 # blockswap target and GoogleTest get it too, so that their std::string symbols match.
 add_compile_options(${TORCH_CXX_FLAGS})

@@ -18,6 +18,7 @@ Training is exact in any order of forward and backward: the weights a block's ba
 are put back where its forward's saved tensors point. docs/python.md has the whole story.
 """
 
+import functools as _functools
 import os as _os
 import weakref as _weakref
 
@@ -37,9 +38,21 @@ Device = _C.Device
 
 
 def _compiler_disable(fn):
-    """Excludes fn from torch.compile tracing where this torch has torch.compiler.disable."""
-    disable = getattr(getattr(_torch, "compiler", None), "disable", None)
-    return disable(fn) if disable is not None else fn
+    """Excludes fn from torch.compile tracing. torch.compiler.disable's wrapper costs about a
+    microsecond on every eager call (most of the verbs' host time per block, measured by
+    bench/python/verb_overhead.py), so the disabled function is called only while dynamo
+    traces: it then evaluates is_compiling() to True and breaks the graph at that call."""
+    compiler = getattr(_torch, "compiler", None)
+    disabled = compiler.disable(fn)
+    is_compiling = compiler.is_dynamo_compiling
+
+    @_functools.wraps(fn)
+    def call(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _device_name(device):
