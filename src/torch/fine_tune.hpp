@@ -23,10 +23,6 @@
 
 namespace blockswap::torch_frontend {
 
-// One parameter's step by `optimizer`, as LibTorch's torch::optim steps it (Note [the steps]
-// in the .cpp). `args.state` are the tensors of PackingRules::state_names.
-void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args);
-
 class FineTuner {
 public:
   // Validates the options (an optimizer needs supports_backward; hyper-parameters in range);
