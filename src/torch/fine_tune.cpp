@@ -98,7 +98,7 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   worker_ = std::thread([this] { work(); });
 }
 
-// Note [device change] in block_packing.cpp: a parameter that moves between the host and the
+// Note [device change] in block_binder.cpp: a parameter that moves between the host and the
 // device gets a new gradient accumulator, so the hook goes on whichever one the parameter has
 // now (the graph of a forward keeps the one it used, hooked when the parameter was bound).
 void FineTuner::hook(int64_t block, std::size_t param) {
@@ -158,7 +158,7 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
     host_gradient(block, param, grad, final);
     return;
   }
-  BLOCKSWAP_CHECK(engine_->is_ready(block) && variable.data_ptr() == t.bound_data, "[", label_,
+  BLOCKSWAP_CHECK(engine_->is_ready(block) && variable.data_ptr() == binder_->bound_data(block, where.tensor), "[", label_,
                   "] parameter '", t.name, "' of block ", block,
                   " got its gradient after the block left the device, so it cannot be stepped");
   at::NoGradGuard no_grad;
@@ -193,7 +193,7 @@ void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at
   }
   if (max_norm_ > 0) clip_gradient(grad, max_norm_, clip_as_python_);
   const auto& layout = binder_->layouts()[block];
-  step_parameter(optimizer_, ParamStep{layout.tensors[layout.trainable[param].tensor].name, block,
+  step_parameter(optimizer_, ParamStep{layout.trainable_name(param), block,
                                        variable, grad, state, ++p.steps});
 }
 
@@ -243,7 +243,7 @@ void FineTuner::work() {
     } catch (const std::exception& e) {
       const auto& layout = binder_->layouts()[task.block];
       failure =
-          detail::concat("parameter '", layout.tensors[layout.trainable[task.param].tensor].name,
+          detail::concat("parameter '", layout.trainable_name(task.param),
                          "' of block ", task.block, ": ", e.what());
     }
     task.device_grad = at::Tensor();
@@ -345,7 +345,7 @@ void FineTuner::end_step() {
       params_[b][p].summed = false; // the next step starts anew
       const auto& layout = binder_->layouts()[b];
       partial += detail::concat(partial.empty() ? "" : ", ", "'",
-                                layout.tensors[layout.trainable[p].tensor].name, "' of block ", b);
+                                layout.trainable_name(p), "' of block ", b);
     }
   }
   BLOCKSWAP_CHECK(partial.empty(), "[", label_, "] parameter(s) ", partial,
@@ -421,7 +421,7 @@ std::vector<std::pair<std::string, at::Tensor>> FineTuner::state(int64_t block) 
     const auto& layout = binder_->layouts()[block];
     const auto names = state_names(optimizer_);
     for (std::size_t p = 0; p < host_[block].size(); ++p) {
-      const std::string& name = layout.tensors[layout.trainable[p].tensor].name;
+      const std::string& name = layout.trainable_name(p);
       for (std::size_t i = 0; i < names.size(); ++i) {
         out.emplace_back(name + "." + names[i], host_[block][p].state[i]);
       }
@@ -440,7 +440,7 @@ std::vector<std::pair<std::string, int64_t>> FineTuner::steps(int64_t block) con
   std::vector<std::pair<std::string, int64_t>> out;
   const auto& layout = binder_->layouts()[block];
   for (std::size_t p = 0; p < params_[block].size(); ++p) {
-    out.emplace_back(layout.tensors[layout.trainable[p].tensor].name, params_[block][p].steps);
+    out.emplace_back(layout.trainable_name(p), params_[block][p].steps);
   }
   return out;
 }
@@ -451,7 +451,7 @@ void FineTuner::set_steps(int64_t block, const std::string& parameter, int64_t s
   drain();
   const auto& layout = binder_->layouts()[block];
   for (std::size_t p = 0; p < params_[block].size(); ++p) {
-    if (layout.tensors[layout.trainable[p].tensor].name != parameter) continue;
+    if (layout.trainable_name(p) != parameter) continue;
     params_[block][p].steps = steps;
     return;
   }

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "block_autograd.hpp"
-#include "block_packing.hpp"
+#include "block_binder.hpp"
 #include "blockswap/core/engine.hpp"
 #include "blockswap/torch.hpp"
 

@@ -6,7 +6,7 @@
 #include <utility>
 
 #include "block_autograd.hpp"
-#include "block_packing.hpp"
+#include "block_binder.hpp"
 #include "node_sharing.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
@@ -110,7 +110,7 @@ public:
         device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
         fine_tuner_(options_, label_, torch_device_), blocks_(std::move(blocks)),
         binder_(checked_layouts(label_, blocks_, torch_device_, fine_tuner_.packing()),
-                torch_device_, options_.strict_residency) {
+                label_, torch_device_, options_.strict_residency) {
     try {
       build();
     } catch (const std::exception& e) {

@@ -10,7 +10,7 @@
 #include "blockswap/core/backend.hpp"
 #include "blockswap/core/node_memory.hpp"
 #include "blockswap/torch.hpp"
-#include "block_packing.hpp"
+#include "block_layout.hpp"
 
 namespace blockswap::torch_frontend {
 

@@ -495,7 +495,7 @@ TEST(CallPatterns, AFailedConstructorChangesNothing) {
   }
 }
 
-// Note [inference mode] in block_packing.cpp: a sampling pass under InferenceMode in the middle
+// Note [inference mode] in block_binder.cpp: a sampling pass under InferenceMode in the middle
 // of training leaves the blocks' tensors usable by autograd afterwards.
 TEST(CallPatterns, InferenceModePassesInTheMiddleOfTrainingAreExact) {
   expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,

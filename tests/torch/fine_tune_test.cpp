@@ -758,7 +758,7 @@ TEST(FineTune, BlocksTheLastAccumulatingBackwardDoesNotReachAreNamed) {
 // A block stepped in backward that the next forward evicts: once it has left, its parameters
 // read the stepped values at once, in the middle of that pass (a weight tied into the loss, a
 // hook that logs a norm), and a loss through them is exact.
-// Note [device change] in block_packing.cpp: once its block has left, a parameter is a view of
+// Note [device change] in block_binder.cpp: once its block has left, a parameter is a view of
 // its host copy, on another device than the one autograd saw in the block (on a GPU, the
 // host's). Reading it gives the stepped value; using it in the loss gives it a gradient of its
 // own, outside the block's backward, which raises instead of stepping twice.

@@ -1,88 +1,30 @@
-// Packing a block's frozen tensors into one host buffer, and pointing them at device slots.
-// Implementer-only (src/torch).
+// Keeps a block's module tensors pointing at the right memory as the engine moves blocks: the
+// block's slot while it is ready, its host copy otherwise; and sees what the caller wrote into
+// them between moves. Implementer-only (src/torch).
 #pragma once
 
 #include <ATen/Tensor.h>
 #include <c10/core/Device.h>
 
+#include <cstddef>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "block_layout.hpp"
 #include "blockswap/core/engine.hpp"
-#include "blockswap/torch.hpp"
 
 namespace blockswap::torch_frontend {
-
-// What a packed tensor is to the block: a frozen weight (never written back), a parameter that
-// trains (full fine-tuning), or the optimizer's state for one (its momentum, its moments, the
-// sum of its gradients while they accumulate), which blockswap itself made.
-enum class Role { frozen, trainable, state };
-
-// Where one tensor of a block lives inside the block's packed buffer.
-struct PackedTensor {
-  std::string name;
-  Role role = Role::frozen;
-  at::Tensor variable; // the module's own parameter or buffer: rebound with set_data
-  std::size_t offset = 0;
-  std::vector<int64_t> sizes;
-  c10::ScalarType dtype = c10::ScalarType::Float;
-  // What blockswap last pointed `variable` at, to see the caller's writes (Note [changed
-  // tensors] in the .cpp).
-  const void* bound_data = nullptr;
-  int64_t bound_version = 0;
-  bool on_device = false; // bound to a slot (Note [device change] in the .cpp)
-};
-
-// A trainable parameter of a block and its optimizer state, as indices into
-// BlockLayout::tensors.
-struct TrainableParam {
-  std::size_t tensor = 0;
-  std::vector<std::size_t> state; // PackingRules::state_names, in order
-  std::size_t grad_sum = 0;       // with PackingRules::grad_sum
-};
-
-// The frozen tensors first, then from `trainable_offset` on the trainable parameters and their
-// state: the bytes that may change on the device (EngineOptions::trainable_bytes).
-struct BlockLayout {
-  std::vector<PackedTensor> tensors;
-  std::size_t bytes = 0;
-  std::size_t trainable_offset = 0;
-  std::vector<TrainableParam> trainable;
-  std::size_t trainable_bytes() const { return bytes - trainable_offset; }
-};
-
-// What is packed besides frozen weights: for full fine-tuning, the parameters that require grad,
-// each followed by a tensor like it per name in `state_names` ("exp_avg", ...) and, with
-// `grad_sum`, one where the gradients of accumulating backwards are summed.
-struct PackingRules {
-  bool trainable = false;
-  std::vector<std::string> state_names;
-  bool grad_sum = false;
-};
-
-// The frozen parameters (requires_grad false) of a block, at aligned offsets (core/layout.hpp),
-// and with `rules.trainable` the trainable ones and their state after them. Validates every
-// tensor of every block first and changes nothing: throws Error naming the tensor for a tensor
-// shared with an earlier block or claimed by another offloader, and a tensor that is meta,
-// sparse, quantized, not contiguous, or on a device other than the host and `device`.
-// Trainable parameters (unless packed) and buffers, which stay on the device and are never
-// packed, are checked too.
-std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
-                                       const std::string& label, c10::Device device,
-                                       const PackingRules& rules = {});
-
-// Each module's parameters and buffers, recursively, by name. Throws Error naming a null
-// module or one listed twice.
-std::vector<TensorBlock> tensor_blocks(const BlockList& blocks, const std::string& label);
 
 // Keeps the modules' tensors pointing at the right memory as the engine moves blocks: a view
 // of its slot while a block is ready, a view of its host copy otherwise (or, when `strict`,
 // a tensor with no elements, so that computing with it fails).
 class BlockBinder final : public ResidencyListener {
 public:
-  BlockBinder(std::vector<BlockLayout> layouts, c10::Device device, bool strict);
+  // `label` prefixes its messages.
+  BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device,
+              bool strict);
 
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
@@ -127,15 +69,30 @@ public:
   void on_evicted(int64_t block) override;
   void on_written_back(int64_t block, const HostRegion& trainable) override;
 
+  // What blockswap last bound tensor `index` of block `block` to.
+  const void* bound_data(int64_t block, std::size_t index) const {
+    return bound_[block][index].data;
+  }
+
 private:
+  // What blockswap last pointed a tensor at, to see the caller's writes (Note [changed tensors]
+  // in the .cpp), and whether that is a slot (Note [device change]).
+  struct Binding {
+    const void* data = nullptr;
+    int64_t version = 0;
+    bool on_device = false;
+  };
+  bool caller_changed(int64_t block, std::size_t index) const;
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
   void save_changes(int64_t block, PackedTensor& t) const;
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
 
   std::vector<BlockLayout> layouts_;
+  std::vector<std::vector<Binding>> bound_; // [block][tensor]
   std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()
   // Where each block's trainable bytes are in host memory (Note [atomic write-back]).
   std::vector<HostRegion> trainable_hosts_;
+  std::string label_;
   c10::Device device_;
   bool strict_ = false;
   bool shared_ = false; // node-shared host copies (pack)

@@ -1,0 +1,217 @@
+#include "block_binder.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/InferenceMode.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <cstring>
+#include <iostream>
+
+#include "blockswap/core/error.hpp"
+#include "torch_compat.hpp"
+
+namespace blockswap::torch_frontend {
+
+BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device,
+                         bool strict)
+    : layouts_(std::move(layouts)), label_(std::move(label)), device_(device), strict_(strict) {
+  for (const BlockLayout& layout : layouts_) bound_.emplace_back(layout.tensors.size());
+}
+
+at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
+  // The view shares the buffer: the weights outlive the engine. Trainable tensors are where
+  // the block's trainable bytes are now.
+  if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
+  const HostRegion& trainable = trainable_hosts_[block];
+  return view(trainable.buffer,
+              trainable.offset + (t.offset - layouts_[block].trainable_offset), t, at::kCPU);
+}
+
+// Note [device change]
+// On a real device, set_data from a host copy to a slot (or back) changes the parameter's
+// device, and autograd then forgets its gradient accumulator: the next forward makes a new one,
+// without the hooks on the old (VariableHooks::set_data). The emulated device's slots are host
+// memory too, so the binder does what set_data does there, and every test on the emulated
+// device sees what a GPU does. Whoever hooks an accumulator (the fused step, Note [fused step])
+// hooks the new one in `rebound_hook`, which runs after every bind of a trainable tensor.
+void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device) {
+  PackedTensor& t = layouts_[block].tensors[index];
+  Binding& bound = bound_[block][index];
+  t.variable.set_data(data);
+  if (device_.is_cpu() && bound.on_device != on_device && t.variable.requires_grad()) {
+    compat::forget_grad_accumulator(t.variable);
+  }
+  bound = Binding{t.variable.data_ptr(), t.variable._version(), on_device};
+  if (t.role == Role::trainable && rebound_hook) rebound_hook(block, index);
+}
+
+// Note [inference mode]
+// Blocks move during passes that may run under c10::InferenceMode. A tensor made there is an
+// inference tensor, which autograd refuses to save; the module's tensors must stay normal
+// ones, so every view is made with inference mode off.
+
+void BlockBinder::pack(Engine& engine, HostCopies copies) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  shared_ = copies != HostCopies::own;
+  // First the copies, which may fail: nothing the caller sees changes until they are done.
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
+    trainable_hosts_.push_back(HostRegion{hosts_.back(), layouts_[b].trainable_offset});
+    if (copies == HostCopies::shared_filled) continue;
+    for (const PackedTensor& t : layouts_[b].tensors) {
+      if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
+        const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
+        std::memset(zeros.data_ptr(), 0, zeros.numel() * zeros.element_size());
+        continue;
+      }
+      const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
+      std::memcpy(hosts_[b]->data() + t.offset, source.data_ptr(),
+                  source.numel() * source.element_size());
+    }
+  }
+  claim(layouts_);
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      const PackedTensor& t = layouts_[b].tensors[i];
+      bind(static_cast<int64_t>(b), i,
+           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                   : host_view(static_cast<int64_t>(b), t),
+           false);
+    }
+  }
+}
+
+// Note [changed tensors]
+// A block's weights are the caller's too: weights loaded with copy_ or torch::load (which
+// rebinds them with set_), a checkpoint restored while blocks are swapped. Each time blockswap
+// points a tensor somewhere it notes the address and autograd's version counter, which every
+// in-place write through the tensor bumps; when either differs at the next move, the tensor's
+// current values are copied into the host copy (which is authoritative) before the slot can be
+// reused, and into the slot when the block becomes ready. Such writes cost a synchronous copy
+// of that tensor; frozen weights that nobody writes cost a comparison. Writes that bypass the
+// version counter (through .data() or data_ptr()) cannot be seen: docs/guide.md says so.
+// (Buffers, which forward may update without bumping it, are not packed at all.)
+// Whether the caller rebound the tensor or wrote it in place since blockswap last bound it.
+bool BlockBinder::caller_changed(int64_t block, std::size_t index) const {
+  const at::Tensor& variable = layouts_[block].tensors[index].variable;
+  const Binding& bound = bound_[block][index];
+  return variable.data_ptr() != bound.data || variable._version() != bound.version;
+}
+
+void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
+  const at::Tensor& now = t.variable;
+  BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
+                  "] tensor '",
+                  t.name, "' of block ", block, " was replaced by one of shape ", now.sizes(),
+                  " and dtype ", now.scalar_type(), " where the block has ", at::IntArrayRef(t.sizes),
+                  " and ", t.dtype, ": a swapped block's tensors keep their shape and dtype");
+  BLOCKSWAP_CHECK(!shared_ || t.role != Role::frozen, "[", label_, "] frozen tensor '", t.name, "' of block ",
+                  block, " was changed, but its host copy is the node's, shared by every rank "
+                  "(Options::node_sharing): load or change frozen weights before building the "
+                  "offloader (on local rank 0, whose weights every rank reads); with "
+                  "DistributedDataParallel, which broadcasts every parameter when it is built, "
+                  "make it ignore the swapped ones (docs/distributed.md)");
+  const at::Tensor host = host_view(block, t);
+  if (now.data_ptr() != host.data_ptr()) {
+    at::NoGradGuard no_grad;
+    host.copy_(now.detach());
+  }
+}
+
+void BlockBinder::check_still_frozen() const {
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    for (const PackedTensor& t : layouts_[b].tensors) {
+      if (t.role != Role::frozen) continue;
+      BLOCKSWAP_CHECK(!t.variable.requires_grad(), "[", label_, "] parameter '", t.name, "' of block ", b,
+                      " was made trainable after the ModelOffloader was built, which swaps it "
+                      "as a frozen weight: choose which parameters train before building it");
+    }
+  }
+}
+
+void BlockBinder::save_caller_changes(int64_t block) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    if (!caller_changed(block, i)) continue;
+    PackedTensor& t = layouts_[block].tensors[i];
+    save_changes(block, t);
+    bound_[block][i].data = t.variable.data_ptr();
+    bound_[block][i].version = t.variable._version();
+  }
+}
+
+void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
+  bound_[block][index].version = layouts_[block].tensors[index].variable._version();
+}
+
+void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  at::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    PackedTensor& t = layouts_[block].tensors[i];
+    const bool changed = caller_changed(block, i);
+    if (changed) save_changes(block, t);
+    const at::Tensor on_slot = view(slot, t.offset, t, device_);
+    if (changed) on_slot.copy_(host_view(block, t)); // the load may have carried older values
+    bind(block, i, on_slot, true);
+  }
+}
+
+void BlockBinder::on_evicted(int64_t block) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    if (caller_changed(block, i)) save_changes(block, layouts_[block].tensors[i]);
+  }
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    const PackedTensor& t = layouts_[block].tensors[i];
+    bind(block, i,
+         strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                 : host_view(block, t),
+         false);
+  }
+}
+
+void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> old_views;
+  for (const PackedTensor& t : layouts_[block].tensors) {
+    old_views.push_back(t.role == Role::frozen ? at::Tensor() : host_view(block, t));
+  }
+  trainable_hosts_[block] = trainable;
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    PackedTensor& t = layouts_[block].tensors[i];
+    if (t.role == Role::frozen || bound_[block][i].data != old_views[i].data_ptr()) {
+      continue; // on the device
+    }
+    const at::Tensor on_host = host_view(block, t);
+    // What the caller wrote into the old region since is theirs: it goes with the tensor.
+    if (caller_changed(block, i) && t.variable.sizes().vec() == t.sizes) {
+      on_host.copy_(t.variable.detach());
+    }
+    bind(block, i, on_host, false);
+  }
+}
+
+void BlockBinder::restore_to_host() {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      PackedTensor& t = layouts_[b].tensors[i];
+      try {
+        // What changed on the device stays: a trainable block that never left it was never
+        // written back.
+        const bool on_device = t.variable.sizes().vec() == t.sizes; // not strict's placeholder
+        if (caller_changed(static_cast<int64_t>(b), i) || (t.role != Role::frozen && on_device)) {
+          save_changes(static_cast<int64_t>(b), t);
+        }
+      } catch (const std::exception& e) {
+        std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
+      }
+      bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
+    }
+  }
+  release_claims(layouts_);
+}
+
+} // namespace blockswap::torch_frontend
