@@ -146,13 +146,21 @@ struct NodeSharing {
   explicit operator bool() const { return static_cast<bool>(set) || static_cast<bool>(get); }
 };
 
-// The engine's options (EngineOptions, core/engine.hpp) are the offloader's: blocks_to_swap (K;
-// here -1 lets the planner choose), supports_backward, rotating_slots (forward-only R, 1 <= R
-// <= N-K, K+R blocks load per pass; 0 = layout::default_rotating_slots; N-K is the seed's cyclic
-// scheme), algorithm (Algorithm::seed replays the seed's own moves: the benchmarks' baseline),
-// debug (the seed's lines, to `log` or stderr), trace (every copy and wait, and each block's
-// compute in run_block, for a Chrome trace).
-struct Options : EngineOptions {
+// What a ModelOffloader is built with. Options::check throws blockswap::InvalidArgument for
+// one out of range or two that contradict each other; the constructor calls it first, so a
+// mistake is found before anything is packed or allocated.
+struct Options {
+  int64_t blocks_to_swap = 0; // K; -1 lets the planner choose it from device_budget_bytes
+  bool supports_backward = false; // training possible; starts in training mode when true
+  // Forward-only R, 1 <= R <= N-K: the slots blocks rotate through; K+R blocks load per pass.
+  // 0 = layout::default_rotating_slots; N-K is the seed's cyclic scheme.
+  int64_t rotating_slots = 0;
+  // Algorithm::seed replays the seed's own moves: the benchmarks' baseline.
+  Algorithm algorithm = Algorithm::blockswap;
+  bool debug = false; // the seed's lines, one per move and wait, to `log` or stderr
+  std::function<void(const std::string&)> log = {};
+  // Every copy and wait, and each block's compute in run_block, for a Chrome trace.
+  std::shared_ptr<Trace> trace = {};
   c10::Device device = c10::kCPU; // kCUDA: the GPU; kCPU: the emulated device
   bool reentrant_activation_checkpointing = false;
   // blocks_to_swap = -1: the weights budget the planner chooses K for. It binds nothing else.
@@ -189,6 +197,11 @@ struct Options : EngineOptions {
   // Several ranks of a node share the frozen weights' host copy (above); empty: this process
   // holds its own.
   NodeSharing node_sharing = {};
+
+  // Throws blockswap::InvalidArgument, naming the option and `label`, for an option out of
+  // range for `blocks` blocks or options that contradict each other. The one place options are
+  // checked, for C++ and Python alike.
+  void check(const std::string& label, int64_t blocks) const;
 };
 
 // A Device for offloaders to share (Options::shared_device): kCPU is the emulated device,

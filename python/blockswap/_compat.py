@@ -1,6 +1,10 @@
 """What depends on the torch version, for the Python package: the supported range, checked at
-import before the compiled module loads, and the check that the module was compiled against
-the torch that runs it."""
+import before the compiled module loads, the check that the module was compiled against the
+torch that runs it, and every call into torch that is private or differs between versions
+(torch.compiler.disable, c10d's default store, DistributedDataParallel's ignore list). A torch
+2.15 difference goes here."""
+
+import functools as _functools
 
 import torch as _torch
 
@@ -21,6 +25,7 @@ def check_torch():
                           f"blockswap in that environment ({_REBUILD})")
 
 
+@_functools.cache
 def load_extension():
     """The compiled module _C, after checking that it was built against this torch."""
     try:
@@ -51,3 +56,34 @@ def optimizer_kernel(foreach, fused):
     if foreach is None:
         return KERNELS["default"]
     return KERNELS["foreach"] if foreach else KERNELS["for_loop"]
+
+
+def compiler_disable(fn):
+    """Excludes fn from torch.compile tracing. torch.compiler.disable's wrapper costs about a
+    microsecond on every eager call (most of the verbs' host time per block, measured by
+    bench/python/verb_overhead.py), so the disabled function is called only while dynamo
+    traces: it then evaluates is_compiling() to True and breaks the graph at that call."""
+    compiler = getattr(_torch, "compiler", None)
+    disabled = compiler.disable(fn)
+    is_compiling = compiler.is_dynamo_compiling
+
+    @_functools.wraps(fn)
+    def call(*args, **kwargs):
+        if is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def default_store():
+    """The c10d store of torch.distributed's default process group (a private call)."""
+    import torch.distributed as dist
+    return dist.distributed_c10d._get_default_store()
+
+
+def ddp_ignore(model, names):
+    """Makes DistributedDataParallel(model) leave the parameters `names` alone (a private
+    call, the one DDP offers)."""
+    _torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, names)

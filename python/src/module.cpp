@@ -44,9 +44,8 @@ py::dict to_dict(const MemoryStats& s) {
   return d;
 }
 
-// The offloader and the trace it records into, written when the Python side asks.
+// The offloader, until close().
 struct Offloader {
-  std::shared_ptr<Trace> trace;
   std::unique_ptr<ModelOffloader> impl;
 
   ModelOffloader& get() {
@@ -76,55 +75,24 @@ FusedOptimizer fused_optimizer(const std::string& kind, const std::map<std::stri
 
 std::unique_ptr<Offloader> make_offloader(std::string block_type,
                                           const std::vector<std::pair<NamedTensors, NamedTensors>>& blocks,
-                                          int64_t blocks_to_swap, bool supports_backward,
-                                          const std::string& device, bool reentrant, bool debug,
-                                          int64_t rotating_slots, std::size_t budget_bytes,
-                                          std::shared_ptr<Device> shared_device, bool trace,
-                                          double link_gbps, std::size_t capacity_bytes,
-                                          const std::string& optimizer,
-                                          const std::map<std::string, double>& hyper,
-                                          int64_t accumulation, double max_norm,
-                                          const std::string& step_on,
-                                          const std::function<void(const std::string&,
-                                                                   const std::string&)>& node_set,
-                                          const std::function<std::string(const std::string&)>&
-                                              node_get,
-                                          int64_t local_rank, int64_t local_world_size,
-                                          const std::string& group) {
+                                          const Options& options) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
-  Options options;
-  options.blocks_to_swap = blocks_to_swap;
-  options.supports_backward = supports_backward;
-  options.reentrant_activation_checkpointing = reentrant;
-  options.debug = debug;
-  options.rotating_slots = rotating_slots;
-  options.device_budget_bytes = budget_bytes;
-  options.emulated_link_gbps = link_gbps;
-  options.emulated_capacity_bytes = capacity_bytes;
-  if (shared_device) {
-    options.shared_device = std::move(shared_device);
-  } else {
-    options.device = c10::Device(device);
-  }
-  options.optimizer = fused_optimizer(optimizer, hyper);
-  options.gradient_accumulation_steps = accumulation;
-  options.max_grad_norm_per_parameter = max_norm;
-  options.clip_as_python = true;
-  BLOCKSWAP_CHECK(step_on == "auto" || step_on == "device" || step_on == "host",
-                  "step_on must be 'auto', 'device' or 'host', got '", step_on, "'");
-  options.step_on = step_on == "host"     ? StepOn::host
-                    : step_on == "device" ? StepOn::device
-                                          : StepOn::automatic;
-  if (node_set) {
-    options.node_sharing = NodeSharing{node_set, node_get, local_rank, local_world_size, group};
-  }
   auto offloader = std::make_unique<Offloader>();
-  if (trace) offloader->trace = options.trace = std::make_shared<Trace>();
   py::gil_scoped_release release; // packing copies every block
   offloader->impl =
       std::make_unique<ModelOffloader>(std::move(block_type), std::move(tensor_blocks), options);
   return offloader;
+}
+
+StepOn step_on_from(const std::string& name) {
+  BLOCKSWAP_CHECK_ARGUMENT(name == "auto" || name == "device" || name == "host",
+                           "step_on must be 'auto', 'device' or 'host', got '", name, "'");
+  return name == "host" ? StepOn::host : name == "device" ? StepOn::device : StepOn::automatic;
+}
+
+std::string step_on_name(StepOn where) {
+  return where == StepOn::host ? "host" : where == StepOn::device ? "device" : "auto";
 }
 
 } // namespace
@@ -137,9 +105,16 @@ PYBIND11_MODULE(_C, m) {
   m.attr("torch_version") = TORCH_VERSION;
   static py::exception<Error> error(m, "Error", PyExc_RuntimeError);
   static py::exception<OutOfMemory> out_of_memory(m, "OutOfMemoryError", error.ptr());
+  // An option out of range is a blockswap.Error and, as Python's convention has it, a ValueError.
+  static py::handle invalid_argument = PyErr_NewException(
+      "blockswap._C.InvalidArgumentError", py::make_tuple(error, py::handle(PyExc_ValueError)).release().ptr(),
+      nullptr);
+  m.attr("InvalidArgumentError") = invalid_argument;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
+    } catch (const InvalidArgument& e) {
+      py::set_error(invalid_argument, e.what());
     } catch (const OutOfMemory& e) {
       py::set_error(out_of_memory, e.what());
     } catch (const Error& e) {
@@ -177,16 +152,52 @@ PYBIND11_MODULE(_C, m) {
     return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
   });
 
+  py::class_<Trace, std::shared_ptr<Trace>>(m, "Trace")
+      .def(py::init<>())
+      .def("write_chrome_json", &Trace::write_chrome_json);
+
+  // Options field by field (blockswap/torch.hpp): a new option is one field here and one
+  // keyword of ModelOffloader; Options::check is where its range is checked.
+  py::class_<Options>(m, "Options")
+      .def(py::init<>())
+      .def_readwrite("blocks_to_swap", &Options::blocks_to_swap)
+      .def_readwrite("supports_backward", &Options::supports_backward)
+      .def_readwrite("rotating_slots", &Options::rotating_slots)
+      .def_readwrite("debug", &Options::debug)
+      .def_readwrite("trace", &Options::trace)
+      .def_property(
+          "device", [](const Options& o) { return o.device.str(); },
+          [](Options& o, const std::string& device) { o.device = c10::Device(device); })
+      .def_readwrite("reentrant_activation_checkpointing",
+                     &Options::reentrant_activation_checkpointing)
+      .def_readwrite("device_budget_bytes", &Options::device_budget_bytes)
+      .def_readwrite("emulated_link_gbps", &Options::emulated_link_gbps)
+      .def_readwrite("emulated_capacity_bytes", &Options::emulated_capacity_bytes)
+      .def_readwrite("strict_residency", &Options::strict_residency)
+      .def_readwrite("shared_device", &Options::shared_device)
+      .def_readwrite("gradient_accumulation_steps", &Options::gradient_accumulation_steps)
+      .def_property(
+          "step_on", [](const Options& o) { return step_on_name(o.step_on); },
+          [](Options& o, const std::string& name) { o.step_on = step_on_from(name); })
+      .def_readwrite("max_grad_norm_per_parameter", &Options::max_grad_norm_per_parameter)
+      .def_readwrite("clip_as_python", &Options::clip_as_python)
+      .def("set_optimizer",
+           [](Options& o, const std::string& kind, const std::map<std::string, double>& hyper) {
+             o.optimizer = fused_optimizer(kind, hyper);
+           })
+      .def("share_node",
+           [](Options& o, std::function<void(const std::string&, const std::string&)> set,
+              std::function<std::string(const std::string&)> get, int64_t local_rank,
+              int64_t local_world_size, std::string group) {
+             o.node_sharing = NodeSharing{std::move(set), std::move(get), local_rank,
+                                          local_world_size, std::move(group)};
+           })
+      .def("check", &Options::check, py::arg("label"), py::arg("blocks"));
+
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<Offloader>(m, "Offloader")
       .def(py::init(&make_offloader), py::arg("block_type"), py::arg("blocks"),
-           py::arg("blocks_to_swap"), py::arg("supports_backward"), py::arg("device"),
-           py::arg("reentrant"), py::arg("debug"), py::arg("rotating_slots"),
-           py::arg("budget_bytes"), py::arg("shared_device"), py::arg("trace"),
-           py::arg("link_gbps"), py::arg("capacity_bytes"), py::arg("optimizer"),
-           py::arg("hyper"), py::arg("accumulation"), py::arg("max_norm"), py::arg("step_on"),
-           py::arg("node_set"), py::arg("node_get"), py::arg("local_rank"),
-           py::arg("local_world_size"), py::arg("group"))
+           py::arg("options"))
       .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
            Release())
       .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },
@@ -218,18 +229,10 @@ PYBIND11_MODULE(_C, m) {
       .def("completed_steps", [](Offloader& o) { return o.get().completed_steps(); })
       .def("discard_accumulated_gradients",
            [](Offloader& o) { o.get().discard_accumulated_gradients(); }, Release())
-      .def("step_on",
-           [](Offloader& o) {
-             return std::string(o.get().step_on() == StepOn::host ? "host" : "device");
-           })
+      .def("step_on", [](Offloader& o) { return step_on_name(o.get().step_on()); })
       .def("set_optimizer_steps",
            [](Offloader& o, int64_t i, const std::string& name, int64_t steps) {
              o.get().set_optimizer_steps(i, name, steps);
-           })
-      .def("write_trace",
-           [](Offloader& o, const std::string& path) {
-             BLOCKSWAP_CHECK(o.trace != nullptr, "this ModelOffloader records no trace");
-             o.trace->write_chrome_json(path);
            })
       .def("close",
            [](Offloader& o) {

@@ -217,10 +217,40 @@ def test_bad_arguments_are_value_errors_naming_what_was_wrong():
         offloader(blocks, 6, training=False)
     with pytest.raises(ValueError, match="num_blocks=5 but 6 blocks"):
         blockswap.ModelOffloader("blocks", blocks, 5, 2, True, torch.device("cpu"), False)
-    with pytest.raises(ValueError, match="needs device_budget_bytes"):
+    with pytest.raises(ValueError, match="needs a budget: device_budget_bytes"):
         offloader(blocks, -1)
     with pytest.raises(ValueError, match="not one blockswap runs on"):
         blockswap.ModelOffloader("blocks", blocks, N, 2, True, torch.device("meta"), False)
+
+
+def test_options_are_checked_once_and_raise_one_kind_of_error():
+    # Options::check (C++) checks every option for both languages: the same mistake raises
+    # the same error whichever layer would have seen it first.
+    assert issubclass(blockswap.InvalidArgumentError, ValueError)
+    assert issubclass(blockswap.InvalidArgumentError, blockswap.Error)
+    blocks = make_blocks(N)
+    reference = twin(blocks)
+    cases = [
+        (dict(k=5), r"\[blocks\] blocks_to_swap K=5 is out of range"),
+        (dict(k=2, training=False, rotating_slots=N), r"rotating_slots R=6 is out of range for "
+                                                      r"N=6, K=2: expected 1 <= R <= N-K = 4"),
+        (dict(k=2, training=False, rotating_slots=5), r"rotating_slots R=5"),
+        (dict(k=2, training=False, rotating_slots=-1), r"rotating_slots R=-1"),
+        (dict(k=2, rotating_slots=1.5), r"rotating_slots must be an int, got 1.5"),
+        (dict(k="2"), r"blocks_to_swap must be an int, got '2'"),
+        (dict(k=2, emulated_link_gbps=-1.0), r"emulated_link_gbps is -1"),
+        (dict(k=2, max_grad_norm_per_parameter=1.0), r"set Options::optimizer too \(Python: "
+                                                     r"pass optimizer= too\)"),
+        (dict(k=0, gradient_accumulation_steps=0), r"gradient_accumulation_steps must be an "
+                                                   r"int >= 1, got 0"),
+    ]
+    for arguments, message in cases:
+        with pytest.raises(blockswap.InvalidArgumentError, match=message):
+            offloader(blocks, **arguments)
+    # The offloaders that raised changed nothing.
+    for block, twin_block in zip(blocks, reference):
+        for p, q in zip(block.parameters(), twin_block.parameters()):
+            assert torch.equal(p, q)
     # Nothing was claimed by the failed offloaders.
     with offloader(blocks, 2):
         pass

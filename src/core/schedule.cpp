@@ -23,17 +23,30 @@ int64_t Schedule::max_blocks_to_swap(int64_t blocks, Mode mode) {
 }
 
 void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode) {
-  BLOCKSWAP_CHECK(blocks >= 1, "a model needs at least one block, got N=", blocks);
+  BLOCKSWAP_CHECK_ARGUMENT(blocks >= 1, "a model needs at least one block, got N=", blocks);
   const int64_t max_k = max_blocks_to_swap(blocks, mode);
-  BLOCKSWAP_CHECK(blocks_to_swap >= 0 && blocks_to_swap <= max_k,
+  BLOCKSWAP_CHECK_ARGUMENT(blocks_to_swap >= 0 && blocks_to_swap <= max_k,
                   "blocks_to_swap K=", blocks_to_swap, " is out of range for N=", blocks,
                   " blocks in ", to_string(mode), " mode: expected 0 <= K <= ", max_k);
+}
+
+void Schedule::check(const ScheduleOptions& options) {
+  check(options.blocks, options.blocks_to_swap, options.mode);
+  if (options.mode == Mode::training || options.algorithm == Algorithm::seed ||
+      options.blocks_to_swap == 0 || options.rotating_slots == 0) {
+    return;
+  }
+  const int64_t max_r = options.blocks - options.blocks_to_swap;
+  BLOCKSWAP_CHECK_ARGUMENT(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
+                           "rotating_slots R=", options.rotating_slots, " is out of range for N=",
+                           options.blocks, ", K=", options.blocks_to_swap,
+                           ": expected 1 <= R <= N-K = ", max_r);
 }
 
 Schedule::Schedule(const ScheduleOptions& options)
     : blocks_(options.blocks), blocks_to_swap_(options.blocks_to_swap), mode_(options.mode),
       algorithm_(options.algorithm) {
-  check(blocks_, blocks_to_swap_, mode_);
+  check(options);
   slots_ = layout::slot_count(blocks_, blocks_to_swap_);
   initial_slots_.assign(blocks_, -1);
   forward_moves_.resize(blocks_);
@@ -53,9 +66,6 @@ Schedule::Schedule(const ScheduleOptions& options)
   } else if (options.rotating_slots == 0) {
     rotating_slots_ = layout::default_rotating_slots(blocks_, blocks_to_swap_);
   } else {
-    BLOCKSWAP_CHECK(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
-                    "rotating_slots R=", options.rotating_slots, " is out of range for N=", blocks_,
-                    ", K=", blocks_to_swap_, ": expected 1 <= R <= N-K = ", max_r);
     rotating_slots_ = options.rotating_slots;
   }
   build_forward_only();

@@ -27,21 +27,6 @@ FineTuner::FineTuner(const Options& options, std::string label, c10::Device devi
                                                             : StepOn::device;
   on_host_ = enabled_ && where == StepOn::host;
   per_pass_ = options.reentrant_activation_checkpointing;
-  check_optimizer(label_, optimizer_);
-  BLOCKSWAP_CHECK(accumulation_ >= 1, "[", label_, "] gradient_accumulation_steps is ",
-                  accumulation_, "; it must be at least 1");
-  BLOCKSWAP_CHECK(std::isfinite(max_norm_) && max_norm_ >= 0, "[", label_,
-                  "] max_grad_norm_per_parameter is ", max_norm_,
-                  "; it must be finite and >= 0 (0: no clipping)");
-  if (!enabled_) {
-    BLOCKSWAP_CHECK(accumulation_ == 1 && max_norm_ == 0, "[", label_,
-                    "] gradient_accumulation_steps and max_grad_norm_per_parameter are for the "
-                    "fused step: set Options::optimizer too, or leave them at 1 and 0");
-    return;
-  }
-  BLOCKSWAP_CHECK(options.supports_backward, "[", label_,
-                  "] Options::optimizer steps parameters during backward, which needs "
-                  "supports_backward = true");
 }
 
 PackingRules FineTuner::packing() const {

@@ -25,9 +25,8 @@ namespace blockswap::torch_frontend {
 
 class FineTuner {
 public:
-  // Validates the options (an optimizer needs supports_backward; hyper-parameters in range);
-  // throws Error naming what is wrong.
-  // `device` is the compute device, which resolves StepOn::automatic.
+  // `options` were checked (Options::check). `device` is the compute device, which resolves
+  // StepOn::automatic.
   FineTuner(const Options& options, std::string label, c10::Device device);
   ~FineTuner();
   FineTuner(const FineTuner&) = delete;

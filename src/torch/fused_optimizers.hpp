@@ -29,7 +29,7 @@ void clip_gradient(const at::Tensor& grad, double max_norm, bool as_python);
 // The state tensors each parameter keeps ("exp_avg", ...), in the order step_parameter reads.
 std::vector<std::string> state_names(const FusedOptimizer& optimizer);
 
-// Throws Error naming the hyper-parameter out of range; `label` prefixes the message.
+// Throws InvalidArgument naming the hyper-parameter out of range; `label` prefixes the message.
 void check_optimizer(const std::string& label, const FusedOptimizer& optimizer);
 
 // Sets the learning rate; throws Error for FusedCustom, which keeps its own.

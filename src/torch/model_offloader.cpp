@@ -28,24 +28,14 @@ c10::Device torch_device(const Device& device) {
 }
 
 // The offloader's device: the shared one, else one of its own made from the options.
-std::shared_ptr<Device> device_for(const std::string& label, const Options& options) {
+std::shared_ptr<Device> device_for(const Options& options) {
   if (!options.shared_device) {
     DeviceOptions own;
     own.emulated_link_gbps = options.emulated_link_gbps;
     own.emulated_capacity_bytes = options.emulated_capacity_bytes;
     return open_device(options.device, own);
   }
-  const Device& shared = *options.shared_device;
-  const c10::Device device = torch_device(shared);
-  BLOCKSWAP_CHECK(options.device == c10::Device(c10::kCPU) || options.device.type() == device.type(),
-                  "[", label, "] Options::device is ", options.device.str(),
-                  " but Options::shared_device is ", shared.name(),
-                  ": leave Options::device at its default when sharing a device");
-  BLOCKSWAP_CHECK(options.device_budget_bytes == 0 && options.emulated_link_gbps == 0 &&
-                      options.emulated_capacity_bytes == 0,
-                  "[", label, "] with Options::shared_device, the budget, link and capacity are "
-                  "the device's: set them in DeviceOptions when opening it, not in Options");
-  return options.shared_device;
+  return options.shared_device; // Options::check saw that the options agree with it
 }
 
 // Adapters being trained and buffers stay on the compute device for good: their device copies,
@@ -86,20 +76,9 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
                                  e.what(), ". Plan every block list together (plan_block_lists)"));
     }
   }
-  BLOCKSWAP_CHECK(!options.shared_device && options.device_budget_bytes > 0, "[", label,
-                  "] blocks_to_swap = -1 asks the planner to choose K, which needs a budget: "
-                  "Options::device_budget_bytes, or DeviceOptions::budget_bytes of the shared "
-                  "device");
   return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
 }
 
-std::vector<BlockLayout> checked_layouts(const std::string& label,
-                                         const std::vector<TensorBlock>& blocks,
-                                         c10::Device device,
-                                         const torch_frontend::PackingRules& rules = {}) {
-  BLOCKSWAP_CHECK(!blocks.empty(), "[", label, "] ModelOffloader needs at least one block");
-  return torch_frontend::layout_blocks(blocks, label, device, rules);
-}
 
 } // namespace
 
@@ -107,9 +86,9 @@ class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<TensorBlock> blocks, Options options)
       : options_(std::move(options)), label_(std::move(block_type)),
-        device_(device_for(label_, options_)), torch_device_(torch_device(*device_)),
+        device_(device_for(options_)), torch_device_(torch_device(*device_)),
         fine_tuner_(options_, label_, torch_device_), blocks_(std::move(blocks)),
-        binder_(checked_layouts(label_, blocks_, torch_device_, fine_tuner_.packing()),
+        binder_(torch_frontend::layout_blocks(blocks_, label_, torch_device_, fine_tuner_.packing()),
                 label_, torch_device_, options_.strict_residency) {
     try {
       build();
@@ -120,12 +99,14 @@ public:
   }
 
   void build() {
-    EngineOptions engine_options = options_;
+    EngineOptions engine_options;
+    engine_options.supports_backward = options_.supports_backward;
+    engine_options.rotating_slots = options_.rotating_slots;
+    engine_options.algorithm = options_.algorithm;
+    engine_options.debug = options_.debug;
+    engine_options.log = options_.log;
+    engine_options.trace = options_.trace;
     if (share_) {
-      BLOCKSWAP_CHECK(!fine_tuner_.enabled(), "[", label_, "] Options::optimizer trains the "
-                      "blocks' weights in their host copy, which Options::node_sharing shares "
-                      "with the node's other ranks read-only: with node sharing, train adapters "
-                      "(LoRA) and leave the optimizer unset");
       share_->open(binder_.layouts()); // local rank 0's memory, or a new one on local rank 0
       engine_options.host_memory = share_->host_memory();
     }
@@ -384,7 +365,7 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
 std::vector<std::size_t> packed_block_bytes(const BlockList& blocks, c10::Device device) {
   std::vector<std::size_t> bytes;
   for (const BlockLayout& layout :
-       checked_layouts("blocks", torch_frontend::tensor_blocks(blocks, "blocks"), device)) {
+       torch_frontend::layout_blocks(torch_frontend::tensor_blocks(blocks, "blocks"), "blocks", device)) {
     bytes.push_back(layout.bytes);
   }
   return bytes;
@@ -404,6 +385,19 @@ namespace {
 std::shared_ptr<ModelOffloader::Impl>
 make_impl(std::string block_type, std::vector<TensorBlock> blocks, const Options& options) {
   const std::string label = block_type;
+  try {
+    options.check(label, static_cast<int64_t>(blocks.size()));
+  } catch (const Error& e) {
+    // Node sharing: a rank whose options are wrong tells the node's others, as one that fails
+    // later does (Note [node sharing protocol]).
+    if (options.node_sharing) {
+      try {
+        torch_frontend::NodeShare(options.node_sharing, label).fail(e.what());
+      } catch (const Error&) { // a malformed NodeSharing: the others' store timeout tells them
+      }
+    }
+    throw;
+  }
   try {
     auto impl = std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
                                                        options);

@@ -364,7 +364,7 @@ TEST(ModelOffloader, PlannerWithoutABudgetIsAnError) {
     ModelOffloader offloader("blocks", model.modules(), o);
     FAIL() << "no error";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("needs a budget: Options::device_budget_bytes"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("needs a budget: device_budget_bytes"), std::string::npos)
         << e.what();
   }
 }

@@ -2,7 +2,9 @@
 //
 // Two tiers, as in c10: BLOCKSWAP_CHECK for bad input from the user (throws blockswap::Error
 // with the values that were wrong), BLOCKSWAP_ASSERT for internal invariants (a failure is a
-// blockswap bug). Device memory exhaustion is blockswap::OutOfMemory.
+// blockswap bug). Options out of range or contradicting each other are
+// blockswap::InvalidArgument (BLOCKSWAP_CHECK_ARGUMENT; Python's InvalidArgumentError, also a
+// ValueError); device memory exhaustion is blockswap::OutOfMemory.
 #pragma once
 
 #include <sstream>
@@ -19,6 +21,13 @@ public:
 
 // Device memory could not be allocated: over an emulated device's capacity, or a GPU's memory.
 class OutOfMemory : public Error {
+public:
+  using Error::Error;
+};
+
+// An option or argument out of range, or options that contradict each other, found before
+// anything runs (Options::check).
+class InvalidArgument : public Error {
 public:
   using Error::Error;
 };
@@ -41,6 +50,12 @@ template <typename... Args> std::string concat(Args&&... args) {
 #define BLOCKSWAP_CHECK(cond, ...)                                                                 \
   do {                                                                                             \
     if (!(cond)) throw ::blockswap::Error(::blockswap::detail::concat(__VA_ARGS__));               \
+  } while (false)
+
+// Throws blockswap::InvalidArgument with the message when `cond` is false. Use for options.
+#define BLOCKSWAP_CHECK_ARGUMENT(cond, ...)                                                        \
+  do {                                                                                             \
+    if (!(cond)) throw ::blockswap::InvalidArgument(::blockswap::detail::concat(__VA_ARGS__));     \
   } while (false)
 
 // Throws blockswap::Error naming the file and line when an internal invariant is broken.

@@ -1,0 +1,350 @@
+"""The seed's ModelOffloader on blockswap's engine (python/src/module.cpp), with the forward
+hooks that bracket each block's outputs in autograd, and open_device."""
+
+import os as _os
+
+import torch as _torch
+
+from . import _compat, _distributed
+from ._optim import _FusedOptimizer
+
+_C = _compat.load_extension()
+InvalidArgumentError = _C.InvalidArgumentError
+
+
+def _device_name(device):
+    device = _torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device} is not one blockswap runs on: cpu (the emulated "
+                         "device) or cuda")
+    return str(device)
+
+
+def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=0):
+    """A device that several offloaders share (a model's double and single blocks): one copy
+    stream, one memory account, and a budget (bytes) for all their slots together.
+    ``cpu`` is the emulated device; ``link_gbps`` and ``capacity_bytes`` are its link and memory.
+    """
+    return _C.open_device(_device_name(device), int(budget_bytes), float(link_gbps),
+                          int(capacity_bytes))
+
+
+def _flatten(value, out):
+    """The tensors in a block's output (a tensor, or tuples, lists and dicts of them)."""
+    if isinstance(value, _torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _flatten(v, out)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _flatten(v, out)
+
+
+def _rebuild(value, tensors):
+    if isinstance(value, _torch.Tensor):
+        return next(tensors)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_rebuild(v, tensors) for v in value))
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuild(v, tensors) for v in value)
+    if isinstance(value, dict):
+        return type(value)((k, _rebuild(v, tensors)) for k, v in value.items())
+    return value
+
+
+class ModelOffloader:
+    """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
+
+    Keyword-only extras: ``rotating_slots`` (inference: slots the swapped blocks rotate
+    through), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
+    ``shared_device`` (from ``open_device``: one device for several offloaders), ``trace`` (a
+    Chrome trace file written at ``close()``), ``emulated_link_gbps`` and
+    ``emulated_capacity_bytes`` (the emulated device, ``device='cpu'``).
+
+    Full fine-tuning: ``optimizer`` (a ``FusedSGD`` or ``FusedAdamW`` over the blocks'
+    parameters that require grad) swaps those parameters with their blocks and steps each one
+    during backward as soon as its gradient is complete; ``gradient_accumulation_steps``
+    (a step every n-th backward, the gradients summed in the blocks' memory) and
+    ``max_grad_norm_per_parameter`` (clipping each parameter's gradient alone), ``step_on``
+    (``"device"``: the optimizer state swaps with the blocks; ``"host"``: gradients go to host
+    memory and the CPU steps there; ``"auto"``: the faster one measured, the host on the
+    emulated device ``'cpu'``, the device on a GPU).
+    docs/guide.md, "Fine-tuning".
+
+    Data-parallel training (``torch.distributed``, docs/distributed.md): ``process_group`` (a
+    ``torch.distributed`` process group, e.g. ``torch.distributed.group.WORLD``) makes the ranks
+    of each node read one host copy of the swapped weights, local rank 0's. Every rank builds
+    the same offloaders in the same order (the constructor is collective); call
+    ``exclude_from_ddp(model)`` before wrapping the model in ``DistributedDataParallel``.
+
+    With no blocks, or ``blocks_to_swap=0`` and no optimizer, it does nothing, like the seed:
+    it allocates nothing, registers nothing and every verb returns at once.
+    """
+
+    def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
+                 device, reentrant_activation_checkpointing, debug=False, *,
+                 rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
+                 emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
+                 gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
+                 step_on="auto", process_group=None):
+        self.block_type = block_type
+        self.blocks = list(blocks) if blocks is not None else []
+        self.num_blocks = num_blocks
+        self.blocks_to_swap = blocks_to_swap
+        self.supports_backward = bool(supports_backward)
+        self.forward_only = not self.supports_backward
+        self.reentrant_activation_checkpointing = bool(reentrant_activation_checkpointing)
+        self.debug = debug
+        self.optimizer = optimizer
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self._impl = None
+        self._hooks = []
+        self._trace = trace
+        if num_blocks != len(self.blocks):
+            raise ValueError(f"[{block_type}] num_blocks={num_blocks} but {len(self.blocks)} "
+                             "blocks were given")
+        if optimizer is not None and not isinstance(optimizer, _FusedOptimizer):
+            raise ValueError(f"[{block_type}] optimizer must be a blockswap.FusedSGD or "
+                             f"FusedAdamW, not a {type(optimizer).__name__}: a torch.optim "
+                             "optimizer cannot step parameters that swap")
+        # Options::check (C++) checks every option's range, once, for both languages.
+        options = self._options(
+            blocks_to_swap=0 if blocks_to_swap is None else blocks_to_swap,
+            supports_backward=self.supports_backward,
+            device=_device_name(device) if shared_device is None else "cpu",
+            reentrant_activation_checkpointing=self.reentrant_activation_checkpointing,
+            debug=bool(debug), rotating_slots=rotating_slots,
+            device_budget_bytes=device_budget_bytes, shared_device=shared_device,
+            trace=_C.Trace() if trace is not None else None,
+            emulated_link_gbps=emulated_link_gbps,
+            emulated_capacity_bytes=emulated_capacity_bytes,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_grad_norm_per_parameter=max_grad_norm_per_parameter, step_on=step_on,
+            clip_as_python=True)
+        if optimizer is not None:
+            options.set_optimizer(optimizer._kind, optimizer._hyper())
+        self._recorder = options.trace
+        if process_group is not None and optimizer is not None:
+            # Options::check refuses node sharing with an optimizer, before any collective.
+            options.share_node(lambda key, value: None, lambda key: "", 0, 1, "")
+        if self.blocks:
+            options.check(block_type, len(self.blocks))
+        if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None):
+            return  # the seed does nothing either: the trainer's dummy, or no swapping
+        if process_group is not None:
+            options.share_node(*_distributed.node_sharing(process_group))
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, _torch.nn.Module):
+                raise ValueError(f"[{block_type}] block {i} is a {type(block).__name__}, not a "
+                                 "torch.nn.Module")
+        # named_parameters lists each Parameter once, whatever aliases it (peft's base_layer
+        # wrappers); the C++ side packs each tensor once too.
+        tensors = [([(name, p) for name, p in block.named_parameters()],
+                    [(name, b) for name, b in block.named_buffers()]) for block in self.blocks]
+        if optimizer is not None:
+            if optimizer.offloader is not None:
+                raise ValueError(f"[{block_type}] this optimizer already belongs to the "
+                                 f"offloader '{optimizer.offloader.block_type}'")
+            self._check_optimizer_params(optimizer)
+        self._impl = _C.Offloader(block_type, tensors, options)
+        if optimizer is not None:
+            optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
+                                     for name, p in block.named_parameters() if p.requires_grad})
+        self.blocks_to_swap = self._impl.blocks_to_swap()
+        if self.supports_backward:
+            for i, block in enumerate(self.blocks):
+                self._hooks.append(block.register_forward_hook(self._forward_hook(i)))
+
+    def _options(self, **fields):
+        """An Options with each field set (python/src/module.cpp binds them by name). A value
+        of the wrong type is an InvalidArgumentError naming the option."""
+        options = _C.Options()
+        for name, value in fields.items():
+            default = getattr(options, name)
+            if isinstance(default, int) and not isinstance(default, bool) and (
+                    isinstance(value, bool) or not isinstance(value, int)):
+                raise InvalidArgumentError(f"[{self.block_type}] {name} must be an int, got "
+                                           f"{value!r}")
+            try:
+                setattr(options, name, value)
+            except TypeError:
+                raise InvalidArgumentError(f"[{self.block_type}] {name}={value!r} is not a "
+                                           f"{type(default).__name__}") from None
+        return options
+
+    def exclude_from_ddp(self, model):
+        """Makes ``DistributedDataParallel(model)`` leave the swapped frozen weights alone.
+
+        DDP broadcasts every parameter of rank 0 when it is built; with ``process_group`` every
+        rank already reads local rank 0's swapped weights, whose shared host copy may not be
+        written (blockswap raises at the block's next move). Call before wrapping ``model``,
+        the module given to DDP, which holds this offloader's blocks. Adds to any names DDP was
+        told to ignore before."""
+        _distributed.exclude_from_ddp(self, model)
+
+    def _check_optimizer_params(self, optimizer):
+        """The optimizer's parameters are exactly the blocks' parameters that require grad."""
+        trainable = {id(p) for block in self.blocks for p in block.parameters() if p.requires_grad}
+        given = {id(p) for p in optimizer.param_groups[0]["params"]}
+        if given - trainable:
+            raise ValueError(f"[{self.block_type}] the optimizer has {len(given - trainable)} "
+                             "parameter(s) that are not trainable parameters of these blocks: "
+                             "non-block parameters stay with the trainer's own optimizer")
+        if trainable - given:
+            raise ValueError(f"[{self.block_type}] {len(trainable - given)} trainable "
+                             "parameter(s) of these blocks are not in the optimizer: give it "
+                             "every block parameter that requires grad")
+
+    def _forward_hook(self, index):
+        # A block's outputs, bracketed in autograd: before the block's backward runs, its
+        # weights are brought back where its forward's saved tensors point.
+        def hook(module, inputs, output):
+            if self._impl is None:
+                return None
+            if not _torch.is_grad_enabled():
+                # No backward can reach this block's outputs: its submit may be outside no_grad.
+                self._impl.bracket_outputs(index, [])
+                return None
+            tensors = []
+            _flatten(output, tensors)
+            if not tensors:
+                return None
+            return _rebuild(output, iter(self._impl.bracket_outputs(index, tensors)))
+
+        return _compat.compiler_disable(hook)
+
+    # The seed's verbs.
+
+    @_compat.compiler_disable
+    def prepare_block_devices_before_forward(self):
+        if self._impl is not None:
+            if self.optimizer is not None:  # a scheduler may have changed any of them
+                self._impl.set_optimizer(self.optimizer._kind, self.optimizer._hyper())
+            self._impl.prepare()
+
+    @_compat.compiler_disable
+    def wait_for_block(self, block_idx):
+        if self._impl is not None:
+            self._impl.wait_for_block(block_idx)
+
+    @_compat.compiler_disable
+    def submit_move_blocks_forward(self, *args):
+        """``submit_move_blocks_forward(i)``; ``(blocks, i)`` as musubi-tuner calls it."""
+        block_idx = args[-1]
+        if self._impl is not None:
+            self._impl.submit(block_idx)
+
+    @_compat.compiler_disable
+    def disable_block_swap(self):
+        if self._impl is not None:
+            self._impl.synchronize()  # a mode switch waits for every move in flight
+            self._impl.disable()
+
+    @_compat.compiler_disable
+    def enable_block_swap(self):
+        if self._impl is not None:
+            self._impl.synchronize()
+            self._impl.enable()
+
+    @_compat.compiler_disable
+    def set_forward_only(self, forward_only):
+        if forward_only is False and not self.supports_backward and self._impl is not None:
+            raise ValueError(f"[{self.block_type}] set_forward_only(False) needs "
+                             "supports_backward=True")
+        self.forward_only = bool(forward_only)
+        if self._impl is not None:
+            self._impl.synchronize()
+            self._impl.set_forward_only(self.forward_only)
+
+    # Extras.
+
+    @property
+    def _active(self):
+        """Built and not closed (the fused optimizers ask)."""
+        return self._impl is not None
+
+    def _completed_steps(self):
+        return self._impl.completed_steps()
+
+    def _discard_accumulated_gradients(self):
+        self._impl.discard_accumulated_gradients()
+
+    def is_resident(self, block_idx):
+        if self._impl is None:
+            return True
+        return self._impl.is_resident(block_idx)
+
+    def stats(self):
+        """Bytes moved each way, moves, stall seconds, device bytes now and at most."""
+        if self._impl is None:
+            return {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
+                    "device_bytes": 0, "peak_device_bytes": 0}
+        return self._impl.stats()
+
+    def reset_stats(self):
+        if self._impl is not None:
+            self._impl.reset_stats()
+
+    def optimizer_state(self, block_idx):
+        """Block i's optimizer state by name (``"<parameter>.exp_avg"``, ...): tensors that
+        read their true values and take what is copied into them, for checkpoints."""
+        if self._impl is None:
+            return {}
+        return dict(self._impl.optimizer_state(block_idx))
+
+    def optimizer_steps(self, block_idx):
+        """How many steps each of block i's parameters took, by name."""
+        if self._impl is None:
+            return {}
+        return dict(self._impl.optimizer_steps(block_idx))
+
+    @property
+    def step_on(self):
+        """Where the fused steps run, ``"device"`` or ``"host"`` (``"auto"`` resolved)."""
+        return "device" if self._impl is None else self._impl.step_on()
+
+    @property
+    def accumulated_backwards(self):
+        """With ``gradient_accumulation_steps`` n: the backwards counted toward the next fused
+        step, 0 right after the n-th (the optimizer's ``step()`` checks it)."""
+        if self._impl is None:
+            return 0
+        self._impl.synchronize()  # a backward that raised part-way does not count
+        return self._impl.accumulated_backwards()
+
+    def set_optimizer_steps(self, block_idx, parameter, steps):
+        """Restores the step count of block i's parameter (AdamW's bias correction)."""
+        if self._impl is not None:
+            self._impl.set_optimizer_steps(block_idx, parameter, int(steps))
+
+    def synchronize(self):
+        if self._impl is not None:
+            self._impl.synchronize()
+
+    def close(self):
+        """Waits for copies in flight, leaves every weight an ordinary host tensor with its
+        values, removes the hooks and writes the trace. Safe to call twice."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if self.optimizer is not None and self.optimizer.offloader is self:
+            self.optimizer._detach()
+        impl, self._impl = self._impl, None
+        if impl is not None:
+            impl.close()
+            if self._trace is not None:
+                self._recorder.write_chrome_json(_os.fspath(self._trace))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
