@@ -25,6 +25,10 @@ std::string format_seconds(double seconds) {
   return text;
 }
 
+void check_backend(const std::shared_ptr<Backend>& backend, const std::string& label) {
+  BLOCKSWAP_CHECK(backend != nullptr, "[", label, "] the engine needs a backend");
+}
+
 ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& options, Mode mode) {
   // K is checked against the mode the engine can reach with the tightest bound first, so that
   // a K too large for training is reported as a training error.
@@ -82,27 +86,11 @@ public:
   void reset_stats();
 
 private:
+  // Where a block is on the device; its host bytes are the store's.
   struct BlockState {
-    std::shared_ptr<Buffer> host;
-    std::size_t bytes = 0;
     int64_t slot = -1;
     bool ready = false;
-    bool dirty = false;
-    // Note [atomic write-back]: the trainable bytes have two host regions, the end of `host`
-    // and `spare`; `current` is the authoritative one. A changed block is copied back into the
-    // other, which becomes current once the copy stream has confirmed that copy; meanwhile
-    // loads read it.
-    std::shared_ptr<Buffer> spare;
-    int current = 0;
-    bool writing_back = false;
-    std::size_t trainable = 0; // the last `trainable` bytes may change on the device
-    std::size_t frozen() const { return bytes - trainable; }
-    HostRegion region(int which) const {
-      return which == 0 ? HostRegion{host, frozen()} : HostRegion{spare, 0};
-    }
-    // Where the freshest trainable bytes are: the target of a pending write-back, or current.
-    HostRegion freshest() const { return region(writing_back ? 1 - current : current); }
-    std::unique_ptr<Event> written;  // recorded on the copy stream after its write-back
+    bool dirty = false; // changed on the device since its last write-back
     bool evicted_by_forward = false; // the training schedule's forward evicts it
     bool forwarded = false;        // computed since prepare(), outside a recompute pass
     std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
@@ -151,6 +139,7 @@ private:
   bool is_forward_only_;
   bool enabled_ = true;
   std::size_t slot_bytes_ = 0;
+  HostStore store_; // every host address
   std::vector<BlockState> blocks_;
   std::vector<SlotState> slots_;
   std::unique_ptr<Event> copies_done_;
@@ -172,19 +161,12 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
                    EngineOptions options, std::string label)
     : backend_(std::move(backend)), options_(std::move(options)), label_(std::move(label)),
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
-      is_forward_only_(!options_.supports_backward) {
-  BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_, "] the engine needs a backend");
-  BLOCKSWAP_CHECK(options_.host_memory.empty() || options_.algorithm != Algorithm::seed, "[",
-                  label_, "] the seed's replay copies every block back to host memory, which "
+      is_forward_only_(!options_.supports_backward),
+      store_((check_backend(backend_, label_), backend_), block_bytes, options_.trainable_bytes,
+             options_.host_memory, label_) {
+  BLOCKSWAP_CHECK(!store_.caller_memory() || options_.algorithm != Algorithm::seed, "[", label_,
+                  "] the seed's replay copies every block back to host memory, which "
                   "EngineOptions::host_memory does not allow");
-  BLOCKSWAP_CHECK(options_.host_memory.empty() ||
-                      options_.host_memory.size() == block_bytes.size(),
-                  "[", label_, "] host_memory has ", options_.host_memory.size(), " entries for ",
-                  block_bytes.size(), " blocks: give one per block, or none");
-  BLOCKSWAP_CHECK(options_.trainable_bytes.empty() ||
-                      options_.trainable_bytes.size() == block_bytes.size(),
-                  "[", label_, "] trainable_bytes has ", options_.trainable_bytes.size(),
-                  " entries for ", block_bytes.size(), " blocks: give one per block, or none");
   if (options_.supports_backward) {
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
@@ -196,27 +178,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       for (const Move& m : training_->after_forward(b)) blocks_[m.out].evicted_by_forward = true;
     }
   }
-  for (std::size_t i = 0; i < block_bytes.size(); ++i) {
-    BlockState& block = blocks_[i];
-    block.bytes = block_bytes[i];
-    block.trainable = !options_.trainable_bytes.empty() ? options_.trainable_bytes[i]
-                      : options_.host_memory.empty()    ? block.bytes
-                                                        : 0;
-    BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label_, "] block ", i, " has ",
-                    block.bytes, " bytes, fewer than its ", block.trainable, " trainable bytes");
-    if (options_.host_memory.empty()) {
-      block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
-    } else {
-      block.host = options_.host_memory[i];
-      BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label_,
-                      "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
-                      block.bytes, " bytes");
-      BLOCKSWAP_CHECK(block.trainable == 0, "[", label_, "] block ", i,
-                      " has trainable bytes, which cannot live in host memory the engine does "
-                      "not own (EngineOptions::host_memory)");
-    }
-    block.loaded = backend_->make_event();
-  }
+  for (BlockState& block : blocks_) block.loaded = backend_->make_event();
   slot_bytes_ = layout::slot_bytes(block_bytes);
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
@@ -254,23 +216,23 @@ void Engine::Impl::check_block(int64_t block) const {
 
 std::byte* Engine::Impl::host_data(int64_t block) const {
   check_block(block);
-  return blocks_[block].host->data();
+  return store_.buffer(block)->data();
 }
 
 std::shared_ptr<Buffer> Engine::Impl::host_buffer(int64_t block) const {
   check_block(block);
-  return blocks_[block].host;
+  return store_.buffer(block);
 }
 
 HostRegion Engine::Impl::host_trainable(int64_t block) const {
   std::lock_guard lock(mutex_);
   check_block(block);
-  return blocks_[block].region(blocks_[block].current);
+  return store_.trainable(block);
 }
 
 std::size_t Engine::Impl::block_bytes(int64_t block) const {
   check_block(block);
-  return blocks_[block].bytes;
+  return store_.bytes(block);
 }
 
 // Note [slot lifetime]
@@ -574,7 +536,7 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   SlotState& slot = slots_[state.slot];
   // Written back before (Note [write-back before the forward]) and unchanged since: the host
   // copy the tensors are bound to next must hold those bytes.
-  if (state.writing_back && !state.dirty) commit(block);
+  if (store_.pending(block) && !state.dirty) commit(block);
   if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
@@ -583,14 +545,15 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   } else if (current().writes_back()) {
     // The seed replay copies back weights that did not change: the host's bytes stay the same
     // whatever part of the copy happens.
-    backend_->copy_to_host(state.host->data(), slot.memory->data(), state.bytes, block);
-    stats_.d2h_bytes += state.bytes;
+    backend_->copy_to_host(store_.buffer(block)->data(), slot.memory->data(),
+                           store_.bytes(block), block);
+    stats_.d2h_bytes += store_.bytes(block);
   }
   if (!refilled) backend_->poison(slot.memory->data(), slot_bytes_);
   slot.block = -1;
   state.slot = -1;
   state.ready = false;
-  if (settle && state.writing_back) commit(block);
+  if (settle && store_.pending(block)) commit(block);
 }
 
 void Engine::Impl::load(int64_t block, int64_t slot) {
@@ -598,19 +561,20 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   SlotState& s = slots_[slot];
   if (listener_ != nullptr) listener_->before_load(block); // the host copy must be final
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
-  backend_->poison(s.memory->data() + state.bytes, slot_bytes_ - state.bytes);
-  if (state.writing_back || state.current != 0) {
-    // The frozen bytes from the host copy, the trainable ones from their freshest region.
-    if (state.frozen() > 0) {
-      backend_->copy_to_device(s.memory->data(), state.host->data(), state.frozen(), block);
-    }
-    backend_->copy_to_device(s.memory->data() + state.frozen(), state.freshest().data(),
-                             state.trainable, block);
+  const std::size_t bytes = store_.bytes(block);
+  backend_->poison(s.memory->data() + bytes, slot_bytes_ - bytes);
+  const HostStore::Source source = store_.load_source(block);
+  if (source.contiguous()) {
+    backend_->copy_to_device(s.memory->data(), source.frozen, bytes, block);
   } else {
-    backend_->copy_to_device(s.memory->data(), state.host->data(), state.bytes, block);
+    if (source.frozen_bytes > 0) {
+      backend_->copy_to_device(s.memory->data(), source.frozen, source.frozen_bytes, block);
+    }
+    backend_->copy_to_device(s.memory->data() + source.frozen_bytes, source.trainable,
+                             source.trainable_bytes, block);
   }
   backend_->record(*state.loaded, Stream::copy);
-  stats_.h2d_bytes += state.bytes;
+  stats_.h2d_bytes += bytes;
   s.block = block;
   state.slot = slot;
   state.ready = false;
@@ -618,37 +582,32 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   state.submitted = Clock::now();
 }
 
-// Block `block`'s trainable bytes to the host region that is not current (Note [atomic
-// write-back]), after every computation enqueued so far. A block written back twice before a
-// commit overwrites its own pending write-back.
+// Block `block`'s trainable bytes to the store's region that is not authoritative (Note
+// [atomic write-back] in host_store.cpp), after every computation enqueued so far. A block
+// written back twice before a commit overwrites its own pending write-back.
 void Engine::Impl::write_back(int64_t block) {
   BlockState& state = blocks_[block];
   SlotState& slot = slots_[state.slot];
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
-  if (!state.spare) {
-    state.spare = std::make_shared<Buffer>(backend_->allocate_host(state.trainable));
-  }
-  if (!state.written) state.written = backend_->make_event();
-  backend_->copy_to_host(state.region(1 - state.current).data(),
-                         slot.memory->data() + state.frozen(), state.trainable, block);
-  backend_->record(*state.written, Stream::copy);
-  stats_.d2h_bytes += state.trainable;
+  const HostStore::WriteBack to = store_.begin_write_back(block);
+  const std::size_t trainable = store_.trainable_bytes(block);
+  backend_->copy_to_host(to.target.data(), slot.memory->data() + store_.frozen_bytes(block),
+                         trainable, block);
+  backend_->record(to.written, Stream::copy);
+  stats_.d2h_bytes += trainable;
   state.dirty = false;
-  state.writing_back = true;
 }
 
-// Waits for block `block`'s write-back and makes its region current.
+// Waits for block `block`'s write-back and makes its region the authoritative one.
 void Engine::Impl::commit(int64_t block) {
-  BlockState& state = blocks_[block];
   try {
-    backend_->synchronize(*state.written);
+    backend_->synchronize(store_.written(block));
   } catch (...) {
     copy_failed();
   }
-  state.current = 1 - state.current;
-  state.writing_back = false;
-  if (listener_ != nullptr) listener_->on_written_back(block, state.region(state.current));
+  const HostRegion now = store_.commit(block);
+  if (listener_ != nullptr) listener_->on_written_back(block, now);
 }
 
 // Note [write-back before the forward]
@@ -685,23 +644,13 @@ void Engine::Impl::forget_unready_loads() {
   }
 }
 
-// Note [atomic write-back]
-// A block changed on the device (mark_dirty) is copied back when it is evicted, not over its
-// host copy: a copy that fails part-way must not leave the host copy half old, half new. Its
-// trainable bytes have two host regions; the write-back goes to the one that is not current,
-// and once the copy stream has confirmed everything up to it (synchronize) that region becomes
-// current, and the listener is told where the bytes now are. Nothing is copied on the host.
-// Until then a load of the block reads the pending region (the copy stream runs in order, so
-// the write-back is done by then). When a copy fails first, pending write-backs are dropped:
-// every such block's current region keeps the values from before its changes, and the error
-// names it.
+// After the copy stream has confirmed every copy: each pending write-back becomes the
+// authoritative host copy (Note [atomic write-back] in host_store.cpp).
 void Engine::Impl::commit_write_backs() {
   for (int64_t b = 0; b < blocks(); ++b) {
-    BlockState& state = blocks_[b];
-    if (!state.writing_back) continue;
-    state.current = 1 - state.current;
-    state.writing_back = false;
-    if (listener_ != nullptr) listener_->on_written_back(b, state.region(state.current));
+    if (!store_.pending(b)) continue;
+    const HostRegion now = store_.commit(b);
+    if (listener_ != nullptr) listener_->on_written_back(b, now);
   }
 }
 
@@ -712,8 +661,8 @@ void Engine::Impl::copy_failed() {
   std::string dropped;
   for (int64_t b = 0; b < blocks(); ++b) {
     BlockState& state = blocks_[b];
-    if (!state.writing_back) continue;
-    state.writing_back = false;
+    if (!store_.pending(b)) continue;
+    store_.drop(b);
     if (state.slot >= 0) {
       state.dirty = true; // the changes are still in its slot: written back when it leaves
     } else {
@@ -825,7 +774,7 @@ void Engine::Impl::mark_dirty(int64_t block) {
   check_block(block);
   BLOCKSWAP_CHECK(blocks_[block].slot >= 0, "[", label_, "] block ", block,
                   " is not on the device, so it cannot have changed there");
-  BLOCKSWAP_CHECK(blocks_[block].trainable > 0, "[", label_, "] block ", block,
+  BLOCKSWAP_CHECK(store_.trainable_bytes(block) > 0, "[", label_, "] block ", block,
                   " has no trainable bytes (EngineOptions::trainable_bytes), so nothing of it "
                   "may change on the device");
   blocks_[block].dirty = true;
@@ -853,24 +802,25 @@ void Engine::Impl::reload_trainable(int64_t block) {
   std::lock_guard lock(mutex_);
   check_block(block);
   BlockState& state = blocks_[block];
-  if (state.slot < 0 || state.trainable == 0) return;
-  BLOCKSWAP_CHECK(!state.dirty && !state.writing_back, "[", label_, "] block ", block,
+  const std::size_t trainable = store_.trainable_bytes(block);
+  if (state.slot < 0 || trainable == 0) return;
+  BLOCKSWAP_CHECK(!state.dirty && !store_.pending(block), "[", label_, "] block ", block,
                   " changed on the device and on the host at once");
   if (listener_ != nullptr) listener_->before_load(block);
   SlotState& slot = slots_[state.slot];
   backend_->record(*slot.released, Stream::compute); // after every reader of the old bytes
   backend_->wait(Stream::copy, *slot.released);
-  backend_->copy_to_device(slot.memory->data() + state.frozen(), state.region(state.current).data(),
-                           state.trainable, block);
+  backend_->copy_to_device(slot.memory->data() + store_.frozen_bytes(block),
+                           store_.trainable(block).data(), trainable, block);
   backend_->record(*state.loaded, Stream::copy);
-  stats_.h2d_bytes += state.trainable;
+  stats_.h2d_bytes += trainable;
   state.ready = false; // the next enter waits for it
 }
 
 bool Engine::Impl::writing_back() const {
   std::lock_guard lock(mutex_);
-  for (const BlockState& state : blocks_) {
-    if (state.writing_back && state.slot < 0) return true;
+  for (int64_t b = 0; b < blocks(); ++b) {
+    if (store_.pending(b) && blocks_[b].slot < 0) return true;
   }
   return false;
 }

@@ -255,7 +255,7 @@ void FineTuner::wait_for_block(int64_t block) {
 
 // Note [host copy after backward]
 // A block changed on the device is written back when it leaves; the host copy takes the new
-// bytes when the engine synchronizes (Note [atomic write-back] in engine.cpp). Synchronizing at
+// bytes when the engine synchronizes (Note [atomic write-back] in host_store.cpp). Synchronizing at
 // the end of every backward that stepped means that between backwards (where a trainer saves
 // checkpoints, reads weights, or a write fails) every host copy is the latest, and no write-back
 // is pending while the next forward moves blocks. The copies it waits for are those the

@@ -1,10 +1,11 @@
 // The engine: executes a schedule on a backend, with the seed's verbs.
 //
-// It owns one host buffer per block (the authoritative copy of its frozen weights, pinned
-// where the backend can) and a fixed set of device slots, each big enough for the largest
-// block (core/layout.hpp), allocated once. It knows nothing of tensors: a front end packs each
-// block's weights into host_data(i) and, through a ResidencyListener, points its tensors at
-// the block's slot while it is ready.
+// It owns a fixed set of device slots, each big enough for the largest block (core/layout.hpp),
+// allocated once, and decides which block is in which; every host address comes from its
+// HostStore (core/host_store.hpp: each block's authoritative bytes, pinned where the backend
+// can, and the double-buffered write-back of those that change on the device). It knows nothing
+// of tensors: a front end packs each block's weights into host_data(i) and, through a
+// ResidencyListener, points its tensors at the block's slot while it is ready.
 //
 //   blockswap::Engine engine(backend, {bytes0, bytes1, ...}, {.blocks_to_swap = 2});
 //   // ... fill engine.host_data(i) for every block ...
@@ -29,6 +30,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/host_store.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 
@@ -66,13 +68,6 @@ struct Stats {
   uint64_t peak_device_bytes = 0;
 };
 
-// A part of a host buffer: where a block's trainable bytes are (Engine::host_trainable).
-struct HostRegion {
-  std::shared_ptr<Buffer> buffer;
-  std::size_t offset = 0;
-  std::byte* data() const { return buffer->data() + offset; }
-};
-
 // Told when a block becomes ready on the device and when it leaves it. Called with the
 // engine's lock held: it must not call back into the engine. `slot` is the device memory the
 // block's weights occupy; sharing it keeps that memory alive after the engine has let it go
@@ -84,7 +79,7 @@ public:
   virtual void on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) = 0;
   virtual void on_evicted(int64_t block) = 0;
   // Block `block`'s changes written back reached host memory (Note [atomic write-back] in
-  // engine.cpp): its trainable bytes are now at `trainable`, and the region they were in before
+  // host_store.cpp): its trainable bytes are now at `trainable`, and the region they were in before
   // will be overwritten by the next write-back.
   virtual void on_written_back(int64_t /*block*/, const HostRegion& /*trainable*/) {}
   // Block `block` is about to be loaded from its host copy (or its trainable bytes, by
@@ -186,7 +181,7 @@ public:
   // (EngineOptions::trainable_bytes) back when it is evicted. Throws when it has none. The host
   // copy (host_trainable) takes the new values at the next synchronize() (or prepare() that
   // waits, or destruction), all at once; a copy that fails before then leaves it with the old
-  // values and the error names the block (Note [atomic write-back] in engine.cpp).
+  // values and the error names the block (Note [atomic write-back] in host_store.cpp).
   void mark_dirty(int64_t block);
   // Blocks the host until every copy enqueued so far has completed.
   void synchronize();

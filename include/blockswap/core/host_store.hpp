@@ -1,0 +1,107 @@
+// HostStore: each block's authoritative host bytes, and where they come from.
+//
+// A block's packed bytes are its frozen bytes, then its trainable bytes (the last ones, which
+// may change on the device: trainable weights and their optimizer state). The store holds them
+// in one host buffer per block: allocated from the backend (pinned where it can), or given by
+// the caller (node-shared memory, core/node_memory.hpp). A block's trainable bytes have a second
+// region, so that a write-back never overwrites the values it replaces before it is confirmed
+// (Note [atomic write-back] in host_store.cpp).
+//
+// The engine asks the store for every host address: where a load reads (load_source), where a
+// write-back goes (begin_write_back), which region is authoritative (trainable). Another source
+// of host bytes (a file read ahead into staging memory) is another way to fill this store. The
+// store keeps no lock: its owner (the engine) calls it under its own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/backend.hpp"
+
+namespace blockswap {
+
+// A part of a host buffer: where a block's trainable bytes are (HostStore::trainable).
+struct HostRegion {
+  std::shared_ptr<Buffer> buffer;
+  std::size_t offset = 0;
+  std::byte* data() const { return buffer->data() + offset; }
+};
+
+class HostStore {
+public:
+  // `block_bytes[i]`: block i's packed bytes. `trainable_bytes[i]`: how many of them, at the
+  // end, may change on the device (empty: all of every block's, or none with `memory`).
+  // `memory[i]`: host memory the caller holds for block i, at least its bytes, filled by the
+  // caller and never written by the store, so its blocks have no trainable bytes (empty: the
+  // store allocates every block's from `backend`). Throws Error naming the block and `label`
+  // for sizes that do not agree.
+  HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
+            const std::vector<std::size_t>& trainable_bytes,
+            std::vector<std::shared_ptr<Buffer>> memory, const std::string& label);
+
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  std::size_t bytes(int64_t block) const { return blocks_[block].bytes; }
+  std::size_t trainable_bytes(int64_t block) const { return blocks_[block].trainable; }
+  std::size_t frozen_bytes(int64_t block) const { return bytes(block) - trainable_bytes(block); }
+  // Whether the caller gave the memory (the store never writes it).
+  bool caller_memory() const { return caller_memory_; }
+
+  // Block i's host buffer: its packed bytes as first filled. Its frozen bytes stay the
+  // authoritative ones; its trainable bytes are authoritative until the first write-back.
+  const std::shared_ptr<Buffer>& buffer(int64_t block) const { return blocks_[block].host; }
+  // Where block i's authoritative trainable bytes are now.
+  HostRegion trainable(int64_t block) const;
+
+  // What a load of block i copies to the device: its frozen bytes from the buffer, and its
+  // trainable bytes from where they are freshest (a pending write-back's target: the copy
+  // stream runs in order, so that write-back is done before the load). One range when the
+  // block's bytes are contiguous.
+  struct Source {
+    const std::byte* frozen = nullptr;
+    const std::byte* trainable = nullptr;
+    bool contiguous() const;
+    std::size_t frozen_bytes = 0, trainable_bytes = 0;
+  };
+  Source load_source(int64_t block) const;
+
+  // Note [atomic write-back]. begin_write_back: the region block i's changed trainable bytes go
+  // to (the one that is not authoritative), and the event the caller records after that copy;
+  // the write-back is pending. A second one before commit overwrites the first.
+  // commit: the pending region becomes authoritative (after the caller has waited for the
+  // event, or synchronized the copy stream); returns it. drop: the pending write-back is
+  // forgotten; the authoritative region keeps the values from before.
+  struct WriteBack {
+    HostRegion target;
+    Event& written;
+  };
+  WriteBack begin_write_back(int64_t block);
+  bool pending(int64_t block) const { return blocks_[block].pending; }
+  Event& written(int64_t block) const { return *blocks_[block].written; }
+  HostRegion commit(int64_t block);
+  void drop(int64_t block) { blocks_[block].pending = false; }
+
+private:
+  // The two homes of a block's trainable bytes: the end of its packed buffer, or a buffer of
+  // their own, allocated at the first write-back.
+  enum class Region { packed, spare };
+  struct Block {
+    std::shared_ptr<Buffer> host;
+    std::size_t bytes = 0;
+    std::size_t trainable = 0;
+    std::shared_ptr<Buffer> spare;
+    Region current = Region::packed; // the authoritative one
+    bool pending = false;            // a write-back into the other one awaits its commit
+    std::unique_ptr<Event> written;  // recorded on the copy stream after that write-back
+  };
+  static Region other(Region r) { return r == Region::packed ? Region::spare : Region::packed; }
+  HostRegion region(const Block& block, Region which) const;
+
+  std::shared_ptr<Backend> backend_;
+  std::vector<Block> blocks_;
+  bool caller_memory_ = false;
+};
+
+} // namespace blockswap

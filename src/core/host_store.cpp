@@ -1,0 +1,89 @@
+#include "blockswap/core/host_store.hpp"
+
+#include <utility>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap {
+
+HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
+                     const std::vector<std::size_t>& trainable_bytes,
+                     std::vector<std::shared_ptr<Buffer>> memory, const std::string& label)
+    : backend_(std::move(backend)), caller_memory_(!memory.empty()) {
+  const std::size_t n = block_bytes.size();
+  BLOCKSWAP_CHECK(memory.empty() || memory.size() == n, "[", label, "] host_memory has ",
+                  memory.size(), " entries for ", n, " blocks: give one per block, or none");
+  BLOCKSWAP_CHECK(trainable_bytes.empty() || trainable_bytes.size() == n, "[", label,
+                  "] trainable_bytes has ", trainable_bytes.size(), " entries for ", n,
+                  " blocks: give one per block, or none");
+  blocks_.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    Block& block = blocks_[i];
+    block.bytes = block_bytes[i];
+    block.trainable = !trainable_bytes.empty() ? trainable_bytes[i]
+                      : caller_memory_         ? 0
+                                               : block.bytes;
+    BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label, "] block ", i, " has ",
+                    block.bytes, " bytes, fewer than its ", block.trainable, " trainable bytes");
+    if (!caller_memory_) {
+      block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
+      continue;
+    }
+    block.host = std::move(memory[i]);
+    BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label,
+                    "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
+                    block.bytes, " bytes");
+    BLOCKSWAP_CHECK(block.trainable == 0, "[", label, "] block ", i,
+                    " has trainable bytes, which cannot live in host memory the engine does "
+                    "not own (EngineOptions::host_memory)");
+  }
+}
+
+HostRegion HostStore::region(const Block& block, Region which) const {
+  return which == Region::packed ? HostRegion{block.host, block.bytes - block.trainable}
+                                 : HostRegion{block.spare, 0};
+}
+
+HostRegion HostStore::trainable(int64_t block) const {
+  const Block& b = blocks_[block];
+  return region(b, b.current);
+}
+
+bool HostStore::Source::contiguous() const {
+  return trainable_bytes == 0 || frozen + frozen_bytes == trainable;
+}
+
+HostStore::Source HostStore::load_source(int64_t block) const {
+  const Block& b = blocks_[block];
+  const Region freshest = b.pending ? other(b.current) : b.current;
+  return Source{b.host->data(), region(b, freshest).data(), b.bytes - b.trainable, b.trainable};
+}
+
+// Note [atomic write-back]
+// A block changed on the device is copied back when it is evicted, not over its host copy: a
+// copy that fails part-way must not leave the host copy half old, half new. Its trainable bytes
+// have two host regions; the write-back goes to the one that is not authoritative, and once the
+// copy stream has confirmed everything up to it (the engine's synchronize) that region becomes
+// authoritative, and the engine's listener is told where the bytes now are. Nothing is copied
+// on the host. Until then a load of the block reads the pending region (the copy stream runs in
+// order, so the write-back is done by then). When a copy fails first, pending write-backs are
+// dropped: every such block's authoritative region keeps the values from before its changes,
+// and the engine's error names it.
+HostStore::WriteBack HostStore::begin_write_back(int64_t block) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(b.trainable > 0 && !caller_memory_, "block ", block, " cannot be written back");
+  if (!b.spare) b.spare = std::make_shared<Buffer>(backend_->allocate_host(b.trainable));
+  if (!b.written) b.written = backend_->make_event();
+  b.pending = true;
+  return WriteBack{region(b, other(b.current)), *b.written};
+}
+
+HostRegion HostStore::commit(int64_t block) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(b.pending, "block ", block, " has no write-back to commit");
+  b.current = other(b.current);
+  b.pending = false;
+  return region(b, b.current);
+}
+
+} // namespace blockswap
