@@ -239,4 +239,65 @@ int64_t plan_blocks_to_swap(std::span<const std::size_t> block_bytes, std::size_
   return plan_swaps(lists, budget_bytes, mode).lists[0].blocks_to_swap;
 }
 
+// The search over R: the simulator plays each candidate schedule.
+int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
+                            const LinkModel& link, Algorithm algorithm) {
+  const auto n = static_cast<int64_t>(timing.forward_seconds.size());
+  Schedule::check(n, blocks_to_swap, Mode::forward_only);
+  if (blocks_to_swap == 0) return 0;
+  if (algorithm == Algorithm::seed) return n - blocks_to_swap; // the seed rotates every block
+  int64_t best = 1;
+  double best_seconds = std::numeric_limits<double>::infinity();
+  for (int64_t r = 1; r <= n - blocks_to_swap; ++r) {
+    const Schedule schedule({n, blocks_to_swap, Mode::forward_only, r, algorithm});
+    const double seconds = simulate(schedule, timing, link).step_seconds;
+    // A faster schedule must win by more than rounding: otherwise fewer loads are better.
+    if (seconds < best_seconds * (1 - 1e-9)) {
+      best = r;
+      best_seconds = seconds;
+    }
+  }
+  return best;
+}
+
+std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap,
+                                         std::span<const BlockTiming> timings,
+                                         const LinkModel& link) {
+  BLOCKSWAP_CHECK(blocks_to_swap.size() == timings.size() && !timings.empty(),
+                  "best_rotating_slots: one K per timing, and at least one list");
+  const std::size_t lists = timings.size();
+  std::vector<int64_t> n(lists), r(lists);
+  for (std::size_t l = 0; l < lists; ++l) {
+    n[l] = static_cast<int64_t>(timings[l].forward_seconds.size());
+    Schedule::check(n[l], blocks_to_swap[l], Mode::forward_only);
+    r[l] = blocks_to_swap[l] == 0 ? 0 : layout::default_rotating_slots(n[l], blocks_to_swap[l]);
+  }
+  auto seconds = [&](const std::vector<int64_t>& rs) {
+    std::vector<Schedule> schedules;
+    for (std::size_t l = 0; l < lists; ++l) {
+      schedules.emplace_back(ScheduleOptions{n[l], blocks_to_swap[l], Mode::forward_only, rs[l]});
+    }
+    std::vector<SimulatedList> simulated;
+    for (std::size_t l = 0; l < lists; ++l) simulated.push_back({&schedules[l], &timings[l]});
+    return simulate(simulated, link).step_seconds;
+  };
+  double best = seconds(r);
+  for (int round = 0; round < 2; ++round) {
+    for (std::size_t l = 0; l < lists; ++l) {
+      for (int64_t candidate = 1; blocks_to_swap[l] > 0 && candidate <= n[l] - blocks_to_swap[l];
+           ++candidate) {
+        std::vector<int64_t> trial = r;
+        trial[l] = candidate;
+        const double t = seconds(trial);
+        // A faster schedule must win by more than rounding: otherwise fewer loads are better.
+        if (t < best * (1 - 1e-9)) {
+          best = t;
+          r = trial;
+        }
+      }
+    }
+  }
+  return r;
+}
+
 } // namespace blockswap

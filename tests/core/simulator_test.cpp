@@ -1,5 +1,6 @@
 // The schedule simulator and the bound T*: small cases worked by hand, and the bound against
 // the simulator for every shape.
+#include "blockswap/core/planner.hpp"
 #include "blockswap/core/simulator.hpp"
 
 #include <gtest/gtest.h>

@@ -7,6 +7,7 @@
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/planner.hpp"
 #include "blockswap/device/device.hpp"
 #include "blockswap/device/timed.hpp"
 

@@ -104,16 +104,4 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
 
-// Forward-only: the number of rotating slots R (1..N-K) whose schedule the simulator finds
-// fastest for these costs, the smaller on a tie (fewer loads); 0 when K = 0; N-K for the seed
-// replay, which rotates every block whatever R is.
-int64_t best_rotating_slots(int64_t blocks_to_swap, const BlockTiming& timing,
-                            const LinkModel& link, Algorithm algorithm = Algorithm::blockswap);
-// The same for the lists of one model on one device (K and timing per list): one list at a
-// time from the default R, every other list fixed, twice round (a search that can miss the
-// best pair: in 2 of 400 random two-list cases it did, by up to 4 %).
-std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap,
-                                         std::span<const BlockTiming> timings,
-                                         const LinkModel& link);
-
 } // namespace blockswap

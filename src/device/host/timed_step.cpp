@@ -1,0 +1,114 @@
+// time_step: a driver of engines on the timed device. It replays the LibTorch front end's
+// calls (run_block's enter, compute, leave; the backward's acquire_for_backward) with modelled
+// computations, so that a step's time is measured without tensors.
+#include <algorithm>
+#include <span>
+#include <vector>
+
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/error.hpp"
+#include "blockswap/device/timed.hpp"
+
+namespace blockswap {
+
+namespace {
+
+// One pass of every list forward: enter, compute, leave, as the front end's run_block does.
+void forward_pass(TimedDevice& device, std::span<const TimedList> lists, Compute compute,
+                  std::vector<std::vector<const Buffer*>>& computed_in) {
+  for (const TimedList& list : lists) list.engine->prepare();
+  for (std::size_t l = 0; l < lists.size(); ++l) {
+    Engine& engine = *lists[l].engine;
+    computed_in[l].clear();
+    for (int64_t b = 0; b < engine.blocks(); ++b) {
+      const Entered entered = engine.enter(b, compute);
+      computed_in[l].push_back(entered.slot.get());
+      device.compute(lists[l].timing->forward_seconds[b], b);
+      engine.leave(b, compute);
+    }
+  }
+}
+
+// Every list backward in the reverse order, as autograd runs the blocks' backward functions.
+void backward_pass(TimedDevice& device, std::span<const TimedList> lists,
+                   const std::vector<std::vector<const Buffer*>>& computed_in) {
+  for (std::size_t l = lists.size(); l-- > 0;) {
+    Engine& engine = *lists[l].engine;
+    const BlockTiming& timing = *lists[l].timing;
+    for (int64_t b = engine.blocks() - 1; b >= 0; --b) {
+      engine.acquire_for_backward(b, computed_in[l][b]);
+      device.compute(timing.forward_seconds[b] * timing.backward_factor, b);
+    }
+  }
+}
+
+} // namespace
+
+TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int warmup_passes) {
+  BLOCKSWAP_CHECK(!lists.empty(), "time_step: no block list");
+  bool training = false;
+  std::size_t blocks = 0;
+  for (const TimedList& list : lists) {
+    BLOCKSWAP_CHECK(list.engine != nullptr && list.timing != nullptr,
+                    "time_step: a list needs an engine and a timing");
+    const auto n = static_cast<std::size_t>(list.engine->blocks());
+    BLOCKSWAP_CHECK(list.timing->forward_seconds.size() == n, "time_step: the engine has ", n,
+                    " blocks but the timing ", list.timing->forward_seconds.size());
+    blocks += n;
+  }
+  training = !lists[0].engine->forward_only();
+  for (const TimedList& list : lists) {
+    BLOCKSWAP_CHECK(list.engine->forward_only() != training,
+                    "time_step: every engine of a step must be in the same mode");
+  }
+  std::vector<std::vector<const Buffer*>> computed_in(lists.size());
+  const Compute compute{.differentiable = training};
+  // From the steady state: every block the schedules start with is loaded.
+  for (const TimedList& list : lists) list.engine->prepare();
+  const double start_of_passes = device.finish();
+  device.take_compute_log();
+
+  TimedStep step;
+  if (training) {
+    const double link_before = device.link_busy_seconds();
+    const double start = device.now();
+    forward_pass(device, lists, compute, computed_in);
+    backward_pass(device, lists, computed_in);
+    step.step_seconds = device.finish() - start;
+    step.link_busy_seconds = device.link_busy_seconds() - link_before;
+    step.computations = device.take_compute_log();
+    if (!step.computations.empty()) {
+      // The first computation's idle time reaches back before the step: from its start only.
+      ComputeRecord& first = step.computations.front();
+      first.idle_before = std::max(0.0, first.start - start);
+    }
+    for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
+    return step;
+  }
+  // Forward-only: `warmup_passes`, then a measured chunk of kPassesPerChunk, the host never
+  // waiting between passes.
+  BLOCKSWAP_CHECK(warmup_passes >= 0, "time_step: warmup_passes must be >= 0, got ",
+                  warmup_passes);
+  // Every pass makes the same copies, so the link's time per pass is its time over all of
+  // them divided by their number (counted at the end: the copy thread may lag the host).
+  const double link_before = device.link_busy_seconds();
+  const int passes = warmup_passes + kPassesPerChunk;
+  for (int pass = 0; pass < passes; ++pass) forward_pass(device, lists, compute, computed_in);
+  device.finish();
+  const std::vector<ComputeRecord> log = device.take_compute_log();
+  BLOCKSWAP_ASSERT(log.size() == blocks * static_cast<std::size_t>(passes));
+  const std::size_t first = blocks * static_cast<std::size_t>(warmup_passes);
+  const double chunk_start = first == 0 ? start_of_passes : log[first - 1].end;
+  step.step_seconds = (log.back().end - chunk_start) / kPassesPerChunk;
+  step.computations.assign(log.begin() + static_cast<std::ptrdiff_t>(first), log.end());
+  if (first == 0) {
+    ComputeRecord& c = step.computations.front();
+    c.idle_before = std::max(0.0, c.start - start_of_passes);
+  }
+  for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
+  step.stall_seconds /= kPassesPerChunk;
+  step.link_busy_seconds = (device.link_busy_seconds() - link_before) / passes;
+  return step;
+}
+
+} // namespace blockswap
