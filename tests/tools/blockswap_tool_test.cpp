@@ -941,7 +941,7 @@ TEST(Bench, TimedDeviceQuickMeetsTheTargets) {
   EXPECT_EQ(ratios.size(), 4u);
   // With one slot (K = N-1) the seed's lead is 1.5 exactly in theory (N(2l+c) against
   // N(l+c) at l = c): the host's own microseconds may put it a hair either side.
-  for (const auto& [model, t] : out["timed"]["targets"].items()) {
+  for (const auto& [model, t] : out["timed"]["summary"].items()) {
     EXPECT_LE(t["infer_max_swap_over_bound"].get<double>(), 1.03) << model;
     EXPECT_GE(t["infer_min_seed_over_swap"].get<double>(), 1.49) << model;
     EXPECT_LE(t["train_max_swap_over_bound"].get<double>(), 1.02) << model;
@@ -979,8 +979,8 @@ TEST(Bench, EmulatedSweepHasEveryModeAndTheBytesOfEach) {
     EXPECT_LT(host["peak_device_bytes"].get<uint64_t>(), device["peak_device_bytes"].get<uint64_t>())
         << k;
   }
-  EXPECT_TRUE(out["emulated"]["targets"]["peak_device_bytes_as_planned"].get<bool>());
-  EXPECT_GT(out["emulated"]["targets"]["finetune_host_over_device_median"].get<double>(), 0.0);
+  EXPECT_TRUE(out["emulated"]["summary"]["peak_device_bytes_as_planned"].get<bool>());
+  EXPECT_GT(out["emulated"]["summary"]["finetune_host_over_device_median"].get<double>(), 0.0);
 }
 
 } // namespace

@@ -1,24 +1,22 @@
 // `blockswap bench`: blockswap against the seed's own schedule and the bound T*, every figure
 // from one run. First on the timed device (timed_bench.hpp: model geometries at several
-// copy/compute ratios, in device time), then the sweep of K on the emulated device (real
-// compute and real copies on this machine).
-#include <torch/torch.h>
-
+// copy/compute ratios, in device time), then the sweep of K on the emulated device
+// (emulated_bench.hpp: real compute and real copies on this machine). This file chooses,
+// summarizes and writes them out.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 
 #include "bench_plot.hpp"
-#include "blockswap/device/emulated.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/core/planner.hpp"
 #include "commands.hpp"
 #include "progress.hpp"
+#include "emulated_bench.hpp"
 #include "timed_bench.hpp"
 #include "validators.hpp"
 #include "workload.hpp"
@@ -26,47 +24,12 @@
 namespace blockswap::tool {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-using models::ReferenceTransformer;
-
-using Row = BenchRow;
-
-// The bandwidth the emulated link achieves here for copies of `bytes`: the throttle, or the
-// machine's own copy speed when that is lower (DESIGN.md section 6: a faster link is fiction).
-double achieved_gbps(double link_gbps, std::size_t bytes) {
-  EmulatedDevice device({.link_gbps = link_gbps});
-  Buffer host = device.allocate_host(bytes), dev = device.allocate_device(bytes);
-  std::memset(host.data(), 1, bytes);
-  auto done = device.make_event();
-  constexpr int kCopies = 20;
-  const auto start = Clock::now();
-  for (int i = 0; i < kCopies; ++i) device.copy_to_device(dev.data(), host.data(), bytes, i);
-  device.record(*done, Stream::copy);
-  device.synchronize(*done);
-  const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-  return double(bytes) * kCopies / seconds / 1e9;
-}
-
-double forward_seconds(ReferenceTransformer& model, int64_t tokens) {
-  torch::NoGradGuard no_grad;
-  const torch::Tensor x = model.example_input(1, tokens);
-  model.forward(x); // warm-up
-  std::vector<double> times;
-  for (int i = 0; i < 3; ++i) {
-    const auto start = Clock::now();
-    model.forward(x);
-    times.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  std::sort(times.begin(), times.end());
-  return times[1];
-}
-
-void write_csv(const std::string& path, const std::vector<Row>& rows) {
+void write_csv(const std::string& path, const std::vector<BenchRow>& rows) {
   std::ofstream file(path, std::ios::trunc);
   BLOCKSWAP_CHECK(file.is_open(), "cannot write '", path, "'");
   file << "device,model,copy_compute_ratio,mode,k,rotating_slots,t_noswap,t_swap,t_seed,t_bound,"
           "h2d_bytes,d2h_bytes,peak_device_bytes\n";
-  for (const Row& r : rows) {
+  for (const BenchRow& r : rows) {
     file << r.device << ',' << r.model << ',' << r.copy_compute_ratio << ',' << r.mode << ','
          << r.k << ',' << r.rotating_slots << ',' << r.t_noswap << ',' << r.t_swap << ','
          << r.t_seed << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.d2h_bytes << ','
@@ -76,7 +39,7 @@ void write_csv(const std::string& path, const std::vector<Row>& rows) {
   BLOCKSWAP_CHECK(file.good(), "error while writing '", path, "'");
 }
 
-void write_plot(const std::string& path, const std::vector<Row>& rows, const std::string& title) {
+void write_plot(const std::string& path, const std::vector<BenchRow>& rows, const std::string& title) {
   std::vector<PlotPanel> panels;
   for (const std::string mode : {"infer", "train", "finetune", "finetune-host"}) {
     PlotPanel panel{mode == "infer"      ? "inference (per pass)"
@@ -86,7 +49,7 @@ void write_plot(const std::string& path, const std::vector<Row>& rows, const std
                     {}};
     PlotSeries noswap{"no swap", "#888888", {}, {}}, swap{"blockswap", "#1f77b4", {}, {}},
         seed{"seed schedule", "#d62728", {}, {}}, bound{"bound T*", "#2ca02c", {}, {}, true};
-    for (const Row& r : rows) {
+    for (const BenchRow& r : rows) {
       if (r.mode != mode) continue;
       for (PlotSeries* s : {&noswap, &swap, &seed, &bound}) s->x.push_back(double(r.k));
       noswap.y.push_back(r.t_noswap * 1e3);
@@ -100,7 +63,7 @@ void write_plot(const std::string& path, const std::vector<Row>& rows, const std
   write_svg_plot(path, title, "K (blocks swapped)", "ms", panels);
 }
 
-nlohmann::json row_json(const Row& r) {
+nlohmann::json row_json(const BenchRow& r) {
   return {{"device", r.device},
           {"model", r.model},
           {"copy_compute_ratio", r.copy_compute_ratio},
@@ -118,21 +81,18 @@ nlohmann::json row_json(const Row& r) {
           {"planned_device_bytes", r.planned_device_bytes}};
 }
 
-// The performance issue's targets for one model's timed rows: inference at ratio 1.0 with
-// K >= N/4, t_swap/T* <= 1.03 and t_seed/t_swap >= 1.5; training at ratio <= 0.8,
-// t_swap/T* <= 1.02.
-struct TimedTargets {
+// One model's timed rows in a few figures: the worst t_swap/T* in inference at ratio 1.0 with
+// K >= N/4 and in training at ratio <= 0.8, the seed's smallest lead in that inference, and the
+// simulator's worst prediction. What they must reach is the tests' (blockswap_tool_test,
+// Bench.TimedDeviceQuickMeetsTheTargets) and docs/performance.md's, not the tool's.
+struct TimedSummary {
   double infer_swap_over_bound = 0, infer_seed_over_swap = 1e9, train_swap_over_bound = 0;
   double worst_prediction = 0; // |t_swap / t_predicted - 1|
-  bool met() const {
-    return infer_swap_over_bound <= 1.03 && infer_seed_over_swap >= 1.5 &&
-           train_swap_over_bound <= 1.02;
-  }
 };
 
-TimedTargets timed_targets(const std::vector<Row>& rows, const ModelShape& shape) {
-  TimedTargets t;
-  for (const Row& r : rows) {
+TimedSummary timed_summary(const std::vector<BenchRow>& rows, const ModelShape& shape) {
+  TimedSummary t;
+  for (const BenchRow& r : rows) {
     if (r.model != shape.name) continue;
     t.worst_prediction = std::max(t.worst_prediction, std::abs(r.t_swap / r.t_predicted - 1));
     if (r.mode == "infer" && r.copy_compute_ratio == 1.0 && 4 * r.k >= shape.blocks[0]) {
@@ -146,14 +106,14 @@ TimedTargets timed_targets(const std::vector<Row>& rows, const ModelShape& shape
   return t;
 }
 
-void print_timed_table(const std::vector<Row>& rows, const TimedBenchOptions& options) {
+void print_timed_table(const std::vector<BenchRow>& rows, const TimedBenchOptions& options) {
   std::printf("Timed device (device time; the same on any machine): link %.0f GB/s, %.0f us per "
               "copy; a block's forward = its copy time / ratio; backward = %.0f x forward\n\n",
               options.link.bytes_per_second / 1e9, options.link.latency_seconds * 1e6,
               options.backward_factor);
   std::printf("%-9s %5s %-5s %3s %3s %10s %10s %10s %10s %8s %9s\n", "model", "ratio", "mode",
               "K", "R", "noswap", "blockswap", "seed", "bound T*", "swap/T*", "seed/swap");
-  for (const Row& r : rows) {
+  for (const BenchRow& r : rows) {
     if (r.device != "timed") continue;
     std::printf("%-9s %5.2f %-5s %3lld %3lld %10s %10s %10s %10s %8.3f %9.2f\n", r.model.c_str(),
                 r.copy_compute_ratio, r.mode.c_str(), static_cast<long long>(r.k),
@@ -162,201 +122,6 @@ void print_timed_table(const std::vector<Row>& rows, const TimedBenchOptions& op
                 milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap);
   }
   std::printf("\n");
-}
-
-// The sweep of K on the emulated device: the reference transformer computed on this machine's
-// CPU, its copies on the emulated copy engine. Adds its facts to `info`; prints its table
-// unless --json.
-std::vector<Row> emulated_bench(const BenchArgs& args, nlohmann::json& info) {
-  const int64_t heads = std::max<int64_t>(1, args.hidden / 64);
-  at::set_num_threads(1);
-  const int steps = args.steps > 0 ? args.steps : (args.quick ? 8 : 20);
-  const int64_t n = args.blocks;
-
-  models::TransformerConfig config{n, args.hidden, heads, 8, 0};
-  ReferenceTransformer model(config), swapped(config), seeded(config);
-  const uint64_t block_bytes = model.frozen_bytes() / uint64_t(n);
-  const double gbps = achieved_gbps(args.link_gbps, block_bytes);
-  const double copy_seconds = double(block_bytes) / (gbps * 1e9);
-
-  // A size where one block's forward takes about its copy time.
-  int64_t tokens = args.tokens;
-  if (tokens == 0) {
-    for (tokens = 8; tokens < 4096; tokens *= 2) {
-      if (forward_seconds(model, tokens) / double(n) >= copy_seconds) break;
-    }
-  }
-  const torch::Tensor input = model.example_input(1, tokens);
-  const double compute_seconds = forward_seconds(model, tokens) / double(n);
-  std::fprintf(stderr,
-               "blockswap bench: %lld blocks of %s, %lld tokens; link %.1f GB/s (achieved %.1f); "
-               "per block: copy %.2f ms, forward %.2f ms\n",
-               static_cast<long long>(n), format_bytes(block_bytes).c_str(),
-               static_cast<long long>(tokens), args.link_gbps, gbps, copy_seconds * 1e3,
-               compute_seconds * 1e3);
-
-  // The packed size of a block (its tensors at aligned offsets), as the engine's slots hold it:
-  // with K=0 the device holds N slots.
-  std::vector<std::size_t> packed;
-  {
-    const ModelOffloader probe("blocks", model.modules(), Options{});
-    packed.assign(n, probe.stats().device_bytes / uint64_t(n));
-  }
-
-  // Fine-tuning: the same blocks with every weight training (AdamW; no adapters), whose
-  // packed blocks hold the weights and both moments.
-  models::TransformerConfig finetune_config = config;
-  finetune_config.lora_rank = 0;
-  ReferenceTransformer ft_plain(finetune_config), ft_swapped(finetune_config),
-      ft_seeded(finetune_config);
-  for (ReferenceTransformer* m : {&ft_plain, &ft_swapped, &ft_seeded}) make_trainable(*m);
-  // With the step on the host, the packed blocks hold the weights only.
-  std::vector<std::size_t> ft_packed, ft_host_packed;
-  for (const StepOn where : {StepOn::device, StepOn::host}) {
-    Options probe_options;
-    probe_options.supports_backward = true;
-    probe_options.optimizer = finetune_adamw();
-    probe_options.step_on = where;
-    const ModelOffloader probe("blocks", ft_swapped.modules(), probe_options);
-    (where == StepOn::host ? ft_host_packed : ft_packed)
-        .assign(n, probe.stats().device_bytes / uint64_t(n));
-  }
-
-  std::vector<Row> rows;
-  Progress progress;
-  const int total = int(4 * n - 3);
-  for (const std::string mode : {"infer", "train", "finetune", "finetune-host"}) {
-    const bool on_host = mode == "finetune-host";
-    const Work work = on_host ? Work::finetune : work_of(mode);
-    const bool train = work != Work::infer;
-    const Mode m = train ? Mode::training : Mode::forward_only;
-    const bool finetune = work == Work::finetune;
-    ReferenceTransformer& plain = finetune ? ft_plain : model;
-    ReferenceTransformer& swapped_model = finetune ? ft_swapped : swapped;
-    ReferenceTransformer& seeded_model = finetune ? ft_seeded : seeded;
-    for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, m); ++k) {
-      progress.update("blockswap bench: " + mode + " K=" + std::to_string(k) + ",",
-                      int(rows.size()) + 1, total);
-      Options options;
-      options.blocks_to_swap = k;
-      options.supports_backward = train;
-      options.emulated_link_gbps = args.link_gbps;
-      if (finetune) options.optimizer = finetune_adamw();
-      options.step_on = on_host ? StepOn::host : StepOn::device;
-      Row row;
-      row.device = "emulated";
-      row.model = "reference";
-      row.copy_compute_ratio = copy_seconds / compute_seconds;
-      row.mode = mode;
-      row.k = k;
-      if (!train && k > 0) row.rotating_slots = layout::default_rotating_slots(n, k);
-      // The three variants take turns, step by step, so that each ratio compares steps run
-      // under the same machine conditions.
-      ModelOffloader swap_offloader("blocks", swapped_model.modules(), options);
-      options.algorithm = Algorithm::seed;
-      ModelOffloader seed_offloader("blocks", seeded_model.modules(), options);
-      StepRunner runners[] = {{plain, nullptr, input, work},
-                              {swapped_model, &swap_offloader, input, work},
-                              {seeded_model, &seed_offloader, input, work}};
-      std::vector<double> times[3];
-      for (int step = 0; step <= steps; ++step) {
-        if (step == 1) swap_offloader.reset_stats();
-        for (int v = 0; v < 3; ++v) {
-          const double seconds = runners[v].step(nullptr);
-          if (step > 0) times[v].push_back(seconds);
-        }
-      }
-      row.t_noswap = median(times[0]);
-      row.t_swap = median(times[1]);
-      row.t_seed = median(times[2]);
-      const Stats stats = swap_offloader.stats();
-      row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
-      row.d2h_bytes = stats.d2h_bytes / uint64_t(steps);
-      row.peak_device_bytes = stats.peak_device_bytes;
-      row.planned_device_bytes =
-          layout::slot_device_bytes(on_host ? ft_host_packed : finetune ? ft_packed : packed, k);
-      // The link carries the loads and, fine-tuning, the write-backs of changed blocks (or,
-      // with the step on the host, the gradients).
-      row.t_bound =
-          std::max(row.t_noswap, double(row.h2d_bytes + row.d2h_bytes) / (gbps * 1e9));
-      rows.push_back(row);
-    }
-  }
-  progress.done();
-
-  // The targets of the emulated sweep, evaluated on this run.
-  double worst_bound = 0, worst_seed = 1e9, finetune_bound = 0, finetune_noswap = 0;
-  double host_bound = 0, host_noswap = 0;
-  // Where the fused step is faster: for each K, the host's t_swap/t_noswap over the device's
-  // (each against the no-swap steps measured beside it, so machine drift between the two
-  // sweeps cancels).
-  std::vector<double> host_over_device;
-  bool peaks_exact = true;
-  for (const Row& r : rows) {
-    if (r.mode == "finetune") {
-      finetune_bound = std::max(finetune_bound, r.t_swap / r.t_bound);
-      finetune_noswap = std::max(finetune_noswap, r.t_swap / r.t_noswap);
-      for (const Row& h : rows) {
-        if (h.mode == "finetune-host" && h.k == r.k) {
-          host_over_device.push_back((h.t_swap / h.t_noswap) / (r.t_swap / r.t_noswap));
-        }
-      }
-    } else if (r.mode == "finetune-host") {
-      host_bound = std::max(host_bound, r.t_swap / r.t_bound);
-      host_noswap = std::max(host_noswap, r.t_swap / r.t_noswap);
-    } else {
-      worst_bound = std::max(worst_bound, r.t_swap / r.t_bound);
-    }
-    if (r.mode == "infer" && 4 * r.k >= n) worst_seed = std::min(worst_seed, r.t_seed / r.t_swap);
-    peaks_exact = peaks_exact && r.peak_device_bytes == r.planned_device_bytes;
-  }
-  const std::string title =
-      detail::concat("blockswap bench: ", n, " blocks of ", format_bytes(block_bytes), ", ", tokens,
-                     " tokens, emulated link ", args.link_gbps, " GB/s");
-  info = {{"blocks", n},
-          {"block_bytes", block_bytes},
-          {"tokens", tokens},
-          {"steps", steps},
-          {"link_gbps", args.link_gbps},
-          {"achieved_gbps", gbps},
-          {"block_copy_seconds", copy_seconds},
-          {"block_forward_seconds", compute_seconds},
-          {"title", title},
-          {"targets",
-           {{"max_swap_over_bound", worst_bound},
-            {"min_seed_over_swap_infer_k_ge_n_over_4", worst_seed},
-            {"finetune_max_swap_over_bound", finetune_bound},
-            {"finetune_max_swap_over_noswap", finetune_noswap},
-            {"finetune_host_max_swap_over_bound", host_bound},
-            {"finetune_host_max_swap_over_noswap", host_noswap},
-            {"finetune_host_over_device_median", median(host_over_device)},
-            {"peak_device_bytes_as_planned", peaks_exact}}}};
-  if (args.json) return rows;
-  std::printf("Emulated device (real compute on this CPU, real copies): %s\nachieved link %.1f "
-              "GB/s; per block: copy %.2f ms, forward %.2f ms; median of %d steps\n\n",
-              title.c_str(), gbps, copy_seconds * 1e3, compute_seconds * 1e3, steps);
-  std::printf("%-13s %3s %10s %10s %10s %10s %9s %9s %11s %12s %12s\n", "mode", "K", "noswap",
-              "blockswap", "seed", "bound T*", "swap/T*", "seed/swap", "swap/noswap", "h2d/step",
-              "d2h/step");
-  for (const Row& r : rows) {
-    std::printf("%-13s %3lld %10s %10s %10s %10s %9.3f %9.2f %11.3f %12s %12s\n", r.mode.c_str(),
-                static_cast<long long>(r.k), milliseconds(r.t_noswap).c_str(),
-                milliseconds(r.t_swap).c_str(), milliseconds(r.t_seed).c_str(),
-                milliseconds(r.t_bound).c_str(), r.t_swap / r.t_bound, r.t_seed / r.t_swap,
-                r.t_swap / r.t_noswap, format_bytes(r.h2d_bytes).c_str(),
-                format_bytes(r.d2h_bytes).c_str());
-  }
-  std::printf("\ntargets: max T_swap/T* = %.3f; min T_seed/T_swap for inference with K >= N/4 = "
-              "%.2f; peak device bytes as planned: %s\n",
-              worst_bound, worst_seed, peaks_exact ? "yes" : "NO");
-  std::printf("fine-tuning (T* counts the loads and the write-backs on the one link): max "
-              "T_swap/T* = %.3f, max T_swap/T_noswap = %.3f\n",
-              finetune_bound, finetune_noswap);
-  std::printf("fine-tuning with the step on the host: max T_swap/T* = %.3f, max "
-              "T_swap/T_noswap = %.3f; the host's step time over the device's (each against "
-              "its no-swap steps), median over K = %.3f\n",
-              host_bound, host_noswap, median(host_over_device));
-  return rows;
 }
 
 } // namespace
@@ -373,7 +138,7 @@ int bench_command(const BenchArgs& args) {
   if (!args.csv.empty()) check_writable("--csv", args.csv);
   if (!args.plot.empty()) check_writable("--plot", args.plot);
 
-  std::vector<Row> rows;
+  std::vector<BenchRow> rows;
   nlohmann::json out = nlohmann::json::object();
   if (args.device != "emulated") {
     // The reference transformer's block: attention 4h² and MLP 8h² float32 weights.
@@ -386,45 +151,40 @@ int bench_command(const BenchArgs& args) {
       progress.update("blockswap bench: timed " + what, done, total);
     });
     progress.done();
-    nlohmann::json targets = nlohmann::json::object();
-    bool met = true;
+    nlohmann::json summary = nlohmann::json::object();
     for (const ModelShape& shape : shapes) {
-      const TimedTargets t = timed_targets(rows, shape);
-      met = met && t.met();
-      targets[shape.name] = {{"infer_max_swap_over_bound", t.infer_swap_over_bound},
+      const TimedSummary t = timed_summary(rows, shape);
+      summary[shape.name] = {{"infer_max_swap_over_bound", t.infer_swap_over_bound},
                              {"infer_min_seed_over_swap", t.infer_seed_over_swap},
                              {"train_max_swap_over_bound", t.train_swap_over_bound},
-                             {"max_prediction_error", t.worst_prediction},
-                             {"met", t.met()}};
+                             {"max_prediction_error", t.worst_prediction}};
     }
     out["timed"] = {{"link_gbps", options.link.bytes_per_second / 1e9},
                     {"copy_latency_seconds", options.link.latency_seconds},
                     {"backward_factor", options.backward_factor},
-                    {"targets", targets},
-                    {"targets_met", met}};
+                    {"summary", summary}};
     if (!args.json) {
       print_timed_table(rows, options);
       for (const ModelShape& shape : shapes) {
-        const TimedTargets t = timed_targets(rows, shape);
-        std::printf("targets, %s: inference at ratio 1.0, K >= N/4: max T_swap/T* = %.3f "
-                    "(<= 1.03), min T_seed/T_swap = %.2f (>= 1.5); training at ratio <= 0.8: max "
-                    "T_swap/T* = %.3f (<= 1.02); simulator vs timed device: %.2f %%%s\n",
+        const TimedSummary t = timed_summary(rows, shape);
+        std::printf("summary, %s: inference at ratio 1.0, K >= N/4: max T_swap/T* = %.3f, min "
+                    "T_seed/T_swap = %.2f; training at ratio <= 0.8: max T_swap/T* = %.3f; "
+                    "simulator vs timed device: %.2f %%\n",
                     shape.name.c_str(), t.infer_swap_over_bound, t.infer_seed_over_swap,
-                    t.train_swap_over_bound, t.worst_prediction * 100,
-                    t.met() ? "" : "  MISSED");
+                    t.train_swap_over_bound, t.worst_prediction * 100);
       }
       std::printf("\n");
     }
   }
   if (args.device != "timed") {
     nlohmann::json info;
-    std::vector<Row> emulated = emulated_bench(args, info);
+    std::vector<BenchRow> emulated = emulated_bench(args, info);
     if (!args.plot.empty()) write_plot(args.plot, emulated, info["title"].get<std::string>());
     rows.insert(rows.end(), emulated.begin(), emulated.end());
     out["emulated"] = info;
   } else if (!args.plot.empty()) {
-    std::vector<Row> reference;
-    for (const Row& r : rows) {
+    std::vector<BenchRow> reference;
+    for (const BenchRow& r : rows) {
       if (r.model == "reference" && r.copy_compute_ratio == 1.0) reference.push_back(r);
     }
     write_plot(args.plot, reference, "blockswap bench: reference shape, timed device, ratio 1.0");
@@ -432,7 +192,7 @@ int bench_command(const BenchArgs& args) {
   if (!args.csv.empty()) write_csv(args.csv, rows);
   if (args.json) {
     nlohmann::json out_rows = nlohmann::json::array();
-    for (const Row& r : rows) out_rows.push_back(row_json(r));
+    for (const BenchRow& r : rows) out_rows.push_back(row_json(r));
     out["rows"] = out_rows;
     std::cout << out.dump(2) << '\n';
   }
