@@ -3,12 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <iostream>
 #include <mutex>
 #include <optional>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/log.hpp"
 
 namespace blockswap {
 namespace {
@@ -846,7 +846,7 @@ void Engine::Impl::log(const std::string& line) const {
   if (options_.log) {
     options_.log(line);
   } else {
-    std::cerr << line << '\n';
+    log_line(line);
   }
 }
 

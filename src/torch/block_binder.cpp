@@ -5,9 +5,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstring>
-#include <iostream>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
 #include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
@@ -206,7 +206,7 @@ void BlockBinder::restore_to_host() {
           save_changes(static_cast<int64_t>(b), t);
         }
       } catch (const std::exception& e) {
-        std::cerr << "blockswap: " << e.what() << "; the host copy keeps the earlier values\n";
+        warn("", detail::concat(e.what(), "; the host copy keeps the earlier values"));
       }
       bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
     }

@@ -1,7 +1,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include <iostream>
 #include <unordered_set>
 #include <utility>
 
@@ -9,6 +8,7 @@
 #include "block_binder.hpp"
 #include "node_sharing.hpp"
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
 #include "torch_compat.hpp"
 #include "fine_tune.hpp"
@@ -159,7 +159,7 @@ public:
       engine_->set_listener(nullptr);
       engine_->synchronize();
     } catch (const std::exception& e) {
-      std::cerr << "[" << label_ << "] ModelOffloader: " << e.what() << '\n';
+      warn(label_, detail::concat("ModelOffloader: ", e.what()));
     }
     binder_.restore_to_host();
   }

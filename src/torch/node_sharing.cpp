@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <cstring>
-#include <iostream>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -11,6 +10,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/log.hpp"
 
 // Note [node sharing protocol]
 // The keys are "blockswap/<host>/[group-<group>/]<label>/<n>/...": the node's ranks find each
@@ -180,8 +180,8 @@ void NodeShare::fail(const std::string& why) noexcept {
     sharing_.set(key(fills() ? "ticket" : detail::concat("opened/", sharing_.local_rank)),
                  "failed " + why);
   } catch (const std::exception& e) {
-    std::cerr << "[" << label_ << "] could not tell the node's other ranks that this one failed ("
-              << e.what() << ")\n";
+    warn(label_, detail::concat("could not tell the node's other ranks that this one failed (",
+                                e.what(), ")"));
   }
 }
 

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
 
 namespace blockswap::detail {
 
@@ -20,12 +21,14 @@ namespace blockswap::detail {
   throw Error(message);
 }
 
-// For destructors and other paths that must not throw: the same text, to stderr.
+// For destructors and other paths that must not throw: the same text, to blockswap's log.
 inline void log_cuda(cudaError_t error, const char* call, const char* file, int line) noexcept {
   int device = -1;
   cudaGetDevice(&device);
-  std::fprintf(stderr, "blockswap: %s failed: %s (%s) on cuda:%d at %s:%d\n", call,
-               cudaGetErrorName(error), cudaGetErrorString(error), device, file, line);
+  char text[512];
+  std::snprintf(text, sizeof text, "%s failed: %s (%s) on cuda:%d at %s:%d", call,
+                cudaGetErrorName(error), cudaGetErrorString(error), device, file, line);
+  warn("", text);
 }
 
 } // namespace blockswap::detail

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <deque>
-#include <iostream>
 #include <mutex>
 #include <type_traits>
 
@@ -33,9 +32,9 @@ template <typename E> auto& cuda_event(E& event) {
 void warn_pageable_once(std::size_t bytes, cudaError_t error) {
   static std::once_flag once;
   std::call_once(once, [&] {
-    std::cerr << "blockswap: WARNING: cannot pin " << bytes << " bytes of host memory ("
-              << cudaGetErrorString(error)
-              << "); using pageable memory: copies will run at about half speed\n";
+    warn("", detail::concat("WARNING: cannot pin ", bytes, " bytes of host memory (",
+                            cudaGetErrorString(error),
+                            "); using pageable memory: copies will run at about half speed"));
   });
 }
 
@@ -137,7 +136,7 @@ CudaDevice::~CudaDevice() {
   try {
     state_->report_copies();
   } catch (const std::exception& e) {
-    std::cerr << "blockswap: a copy observer failed at shutdown: " << e.what() << '\n';
+    warn("", detail::concat("a copy observer failed at shutdown: ", e.what()));
   }
 }
 
