@@ -24,8 +24,8 @@
 // on a GPU). While a block is on the device its tensors are views of its device slot; while it
 // is not, they are views of its host copy, so reading them (sum(), torch::save) gives their
 // true values, and on a GPU computing with them fails on the device check. Parameters that
-// require grad (adapters being trained) and buffers (running statistics) are never packed and
-// never move. Weights the caller changes through the tensor (copy_, torch::load) are written
+// require grad (adapters being trained) are never packed and never move unless
+// Options::optimizer is set (full fine-tuning, below); buffers (running statistics) never are. Weights the caller changes through the tensor (copy_, torch::load) are written
 // back to the host copy, never dropped; writes through .data() or data_ptr() are not seen.
 //
 // Training is exact in any order: before a block's backward runs, its weights are put back

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <optional>
 
@@ -123,7 +124,9 @@ private:
   void load(int64_t block, int64_t slot);
   void mark_ready(int64_t block);
   void forget_unready_loads();
-  [[noreturn]] void copy_failed();
+  // Called in a catch block with the copy's error: rethrows it, or an Error naming the
+  // write-backs it dropped.
+  [[noreturn]] void copy_failed(std::exception_ptr error);
   void commit_write_backs();
   void ensure_slots(int64_t count);
   void release_empty_slots();
@@ -210,8 +213,7 @@ const Schedule& Engine::Impl::schedule() const {
 }
 
 void Engine::Impl::check_block(int64_t block) const {
-  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
-                  " is out of range for ", blocks(), " blocks");
+  detail::check_block_index(label_, block, blocks());
 }
 
 std::byte* Engine::Impl::host_data(int64_t block) const {
@@ -336,7 +338,7 @@ void Engine::Impl::wait_locked(int64_t block) {
       backend_->wait(Stream::compute, *state.loaded);
     }
   } catch (...) {
-    copy_failed();
+    copy_failed(std::current_exception());
   }
   const double stalled = seconds_since(start);
   if (!device_timed) stats_.stall_seconds += stalled;
@@ -522,7 +524,7 @@ void Engine::Impl::wait_like_the_seed(int64_t slot) {
   try {
     backend_->synchronize(*s.released);
   } catch (...) {
-    copy_failed();
+    copy_failed(std::current_exception());
   }
 }
 
@@ -604,7 +606,7 @@ void Engine::Impl::commit(int64_t block) {
   try {
     backend_->synchronize(store_.written(block));
   } catch (...) {
-    copy_failed();
+    copy_failed(std::current_exception());
   }
   const HostRegion now = store_.commit(block);
   if (listener_ != nullptr) listener_->on_written_back(block, now);
@@ -654,9 +656,9 @@ void Engine::Impl::commit_write_backs() {
   }
 }
 
-// A copy failed (rethrown by the backend in the caller's catch block): blocks not yet waited
+// A copy failed (`error`, which the backend threw): blocks not yet waited
 // for may hold garbage and leave the device; pending write-backs are dropped and named.
-void Engine::Impl::copy_failed() {
+void Engine::Impl::copy_failed(std::exception_ptr error) {
   forget_unready_loads();
   std::string dropped;
   for (int64_t b = 0; b < blocks(); ++b) {
@@ -669,9 +671,9 @@ void Engine::Impl::copy_failed() {
       dropped += detail::concat(dropped.empty() ? "" : ", ", b);
     }
   }
-  if (dropped.empty()) throw;
+  if (dropped.empty()) std::rethrow_exception(error);
   try {
-    throw;
+    std::rethrow_exception(error);
   } catch (const std::exception& e) {
     throw Error(detail::concat("[", label_, "] a copy failed (", e.what(),
                                "); the changes written back from block(s) ", dropped,
@@ -685,7 +687,7 @@ void Engine::Impl::synchronize_locked() {
   try {
     backend_->synchronize(*copies_done_);
   } catch (...) {
-    copy_failed();
+    copy_failed(std::current_exception());
   }
   commit_write_backs();
 }

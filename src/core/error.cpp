@@ -2,6 +2,12 @@
 
 namespace blockswap::detail {
 
+void check_block_index(const std::string& label, int64_t block, int64_t blocks) {
+  if (block >= 0 && block < blocks) return;
+  throw Error(concat(label.empty() ? "" : "[" + label + "] ", "block index ", block,
+                     " is out of range for ", blocks, " blocks"));
+}
+
 void throw_internal(const char* condition, const char* file, int line, const std::string& message) {
   throw Error(concat("blockswap internal error: ", condition, " failed at ", file, ":", line,
                      message.empty() ? "" : ": ", message,

@@ -127,14 +127,12 @@ void Schedule::build_training() {
 }
 
 std::span<const Move> Schedule::after_forward(int64_t block) const {
-  BLOCKSWAP_CHECK(block >= 0 && block < blocks_, "block index ", block,
-                  " is out of range for N=", blocks_, " blocks");
+  detail::check_block_index("", block, blocks_);
   return forward_moves_[block];
 }
 
 std::span<const Move> Schedule::after_backward(int64_t block) const {
-  BLOCKSWAP_CHECK(block >= 0 && block < blocks_, "block index ", block,
-                  " is out of range for N=", blocks_, " blocks");
+  detail::check_block_index("", block, blocks_);
   return backward_moves_[block];
 }
 

@@ -395,8 +395,7 @@ void FineTuner::set_optimizer(const FusedOptimizer& optimizer) {
 }
 
 void FineTuner::check_attached(int64_t block) const {
-  BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(params_.size()), "[", label_,
-                  "] block index ", block, " is out of range for ", params_.size(), " blocks");
+  detail::check_block_index(label_, block, static_cast<int64_t>(params_.size()));
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FineTuner::state(int64_t block) const {

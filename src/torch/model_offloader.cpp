@@ -206,9 +206,7 @@ public:
   }
 
   void check_index(int64_t block) const {
-    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(outputs_seen_.size()), "[", label_,
-                    "] block index ", block, " is out of range for ", outputs_seen_.size(),
-                    " blocks");
+    detail::check_block_index(label_, block, static_cast<int64_t>(outputs_seen_.size()));
   }
 
   // After a block's forward: its outputs bracketed in autograd, its moves. `slot` is where it

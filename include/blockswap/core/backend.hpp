@@ -3,7 +3,8 @@
 // A backend has a compute stream (where blocks are computed) and one copy stream (where weights
 // move). Work on one stream runs in the order it was enqueued; ordering across streams is by
 // events only. Implementations are `final`: EmulatedDevice (emulated.hpp) runs anywhere and is
-// the test double; the CUDA backend runs on a GPU.
+// the test double; TimedDevice (timed.hpp) holds no data and models time; the CUDA backend
+// runs on a GPU; Device::attach (device.hpp) wraps one of them for each engine that shares it.
 #pragma once
 
 #include <chrono>
@@ -124,11 +125,11 @@ public:
   // Blocks the host until `event` has completed; rethrows the error of a copy that failed
   // before it on the copy stream.
   virtual void synchronize(const Event& event) = 0;
+  // Whether elapsed_seconds can time this backend's events.
+  virtual bool times_events() const { return false; }
   // The device time from `start` to `end`, two events recorded on the compute stream, once
   // both have completed; nullopt while they have not, or when the backend cannot time events
   // (the emulated device: its compute stream is the host). The engine measures stalls with it.
-  // Whether elapsed_seconds can time this backend's events.
-  virtual bool times_events() const { return false; }
   virtual std::optional<double> elapsed_seconds(const Event& /*start*/,
                                                 const Event& /*end*/) const {
     return std::nullopt;

@@ -7,6 +7,7 @@
 // ValueError); device memory exhaustion is blockswap::OutOfMemory.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -39,6 +40,10 @@ template <typename... Args> std::string concat(Args&&... args) {
   (out << ... << std::forward<Args>(args));
   return out.str();
 }
+
+// Throws Error "[label] block index B is out of range for N blocks" unless 0 <= B < N (no
+// prefix with an empty label): the one check of a block index, wherever one is given.
+void check_block_index(const std::string& label, int64_t block, int64_t blocks);
 
 [[noreturn]] void throw_internal(const char* condition, const char* file, int line,
                                  const std::string& message);
