@@ -182,7 +182,7 @@ void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at
                                        variable, grad, state, ++p.steps});
 }
 
-// Note [host step] in engine.cpp: the gradient goes out on the copy stream; the worker waits
+// Note [host step] in engine_training.cpp: the gradient goes out on the copy stream; the worker waits
 // for it and steps the host copy; loads of the block wait for the worker (before_load).
 void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor& grad,
                               bool final) {
@@ -290,7 +290,7 @@ void FineTuner::backward_done() {
   end_queued_ = false;
   finish_host_steps();
   engine_->synchronize();
-  engine_->write_back_early(); // Note [write-back before the forward] in engine.cpp
+  engine_->write_back_early(); // Note [write-back before the forward] in engine_training.cpp
   // Reentrant checkpointing runs a backward per checkpoint inside the outer one: the step is
   // over when the next pass starts.
   if (!per_pass_) end_step();

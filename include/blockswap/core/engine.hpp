@@ -157,7 +157,7 @@ public:
   // occupant, loading block i) and orders compute after that load. The backwards that started
   // before it, of later blocks, are complete by then: their moves (the current schedule's
   // after_backward) run first, as prefetches. Throws Error when `slot` is no longer one of the
-  // engine's slots. Note [exact backward] in engine.cpp.
+  // engine's slots. Note [exact backward] in engine_training.cpp.
   void acquire_for_backward(int64_t block, const Buffer* slot);
   // The current schedule's moves after block i's backward; a no-op while disabled. For
   // callers that see each backward end (tests, benchmarks); its moves fail when the blocks are
@@ -189,10 +189,10 @@ public:
   // host copy (its tensors read that host copy).
   bool writing_back() const;
   // At the end of a backward: starts the write-back of every changed block on the device that
-  // the training forward evicts (Note [write-back before the forward] in engine.cpp).
+  // the training forward evicts (Note [write-back before the forward] in engine_training.cpp).
   void write_back_early();
 
-  // The optimizer step on the host (Note [host step] in engine.cpp). copy_out copies `bytes` of
+  // The optimizer step on the host (Note [host step] in engine_training.cpp). copy_out copies `bytes` of
   // device memory written by the computations enqueued so far (a gradient) into `host`, on the
   // copy stream, and returns an event recorded after it; the caller keeps both memories alive
   // until wait(event) returns. wait blocks the calling thread until the event, and may be

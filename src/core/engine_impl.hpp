@@ -1,0 +1,104 @@
+// Engine::Impl: the engine's state and the steps its verbs share, for engine.cpp and
+// engine_training.cpp. Private to src/core.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/host_store.hpp"
+
+namespace blockswap {
+
+// The engine's state and the steps its verbs share; the verbs are Engine's own (below), each
+// taking the lock once.
+struct Engine::Impl {
+  using Clock = std::chrono::steady_clock;
+
+  Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
+       EngineOptions options, std::string label);
+  ~Impl();
+
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+
+  // Where a block is on the device; its host bytes are the store's.
+  struct BlockState {
+    int64_t slot = -1;
+    bool ready = false;
+    bool dirty = false; // changed on the device since its last write-back
+    bool evicted_by_forward = false; // the training schedule's forward evicts it
+    bool forwarded = false;        // computed since prepare(), outside a recompute pass
+    std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
+    int64_t replaced = -1;         // for debug lines: the block its load evicted
+    Clock::time_point submitted;
+    const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
+  };
+  struct SlotState {
+    std::shared_ptr<Buffer> memory;
+    int64_t block = -1;
+    std::unique_ptr<Event> released; // recorded on the compute stream after its last reader
+  };
+
+  const Schedule& current() const;
+  bool training() const { return options_.supports_backward && !is_forward_only_; }
+  bool recompute_pass(int64_t block, Compute compute) const;
+  void check_block(int64_t block) const;
+  void wait_locked(int64_t block);
+  int64_t slot_index(const Buffer* memory) const;
+  void place(int64_t block, int64_t slot);
+  int64_t victim_for(int64_t block) const;
+  void prefetch_after_backward(int64_t block);
+  void write_back(int64_t block);
+  void commit(int64_t block);
+  void wait_like_the_seed(int64_t slot);
+  // `settle`: in a forward pass, where the caller may read the evicted block's tensors at once
+  // (Note [write-back before the forward]).
+  void move(const Move& move, bool settle);
+  void evict(int64_t block, bool refilled, bool settle = false);
+  void load(int64_t block, int64_t slot);
+  void mark_ready(int64_t block);
+  void forget_unready_loads();
+  // Called in a catch block with the copy's error: rethrows it, or an Error naming the
+  // write-backs it dropped.
+  [[noreturn]] void copy_failed(std::exception_ptr error);
+  void commit_write_backs();
+  void ensure_slots(int64_t count);
+  void release_empty_slots();
+  void synchronize_locked();
+  void collect_stalls() const;
+  void log(const std::string& line) const;
+
+  std::shared_ptr<Backend> backend_;
+  EngineOptions options_;
+  std::string label_;
+  Schedule forward_only_;
+  std::optional<Schedule> training_; // when supports_backward
+  bool is_forward_only_;
+  bool enabled_ = true;
+  std::size_t slot_bytes_ = 0;
+  HostStore store_; // every host address
+  std::vector<BlockState> blocks_;
+  std::vector<SlotState> slots_;
+  std::unique_ptr<Event> copies_done_;
+  std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
+  ResidencyListener* listener_ = nullptr;
+  // Where the backend times its events (a GPU, the timed device), a stall is measured on the
+  // device: events on the compute stream before and after its wait for a load, read once
+  // they have completed. The host does not wait there, so its own clock would see nothing.
+  struct StallTimer {
+    std::unique_ptr<Event> before, after;
+  };
+  mutable std::vector<StallTimer> stall_timers_; // recorded, not yet read
+  mutable std::vector<StallTimer> spare_timers_;
+  mutable Stats stats_;
+  mutable std::mutex mutex_;
+};
+
+} // namespace blockswap
