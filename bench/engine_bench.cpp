@@ -8,8 +8,8 @@
 
 #include <cstring>
 
-#include "blockswap/device/emulated.hpp"
 #include "blockswap/core/engine.hpp"
+#include "blockswap/device/emulated.hpp"
 
 namespace blockswap {
 namespace {

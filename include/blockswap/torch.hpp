@@ -25,8 +25,9 @@
 // is not, they are views of its host copy, so reading them (sum(), torch::save) gives their
 // true values, and on a GPU computing with them fails on the device check. Parameters that
 // require grad (adapters being trained) are never packed and never move unless
-// Options::optimizer is set (full fine-tuning, below); buffers (running statistics) never are. Weights the caller changes through the tensor (copy_, torch::load) are written
-// back to the host copy, never dropped; writes through .data() or data_ptr() are not seen.
+// Options::optimizer is set (full fine-tuning, below); buffers (running statistics) never are.
+// Weights the caller changes through the tensor (copy_, torch::load) are written back to the host
+// copy, never dropped; writes through .data() or data_ptr() are not seen.
 //
 // Training is exact in any order: before a block's backward runs, its weights are put back
 // where its forward's saved tensors point (loading them if another block took the slot). With
@@ -150,7 +151,7 @@ struct NodeSharing {
 // one out of range or two that contradict each other; the constructor calls it first, so a
 // mistake is found before anything is packed or allocated.
 struct Options {
-  int64_t blocks_to_swap = 0; // K; -1 lets the planner choose it from device_budget_bytes
+  int64_t blocks_to_swap = 0;     // K; -1 lets the planner choose it from device_budget_bytes
   bool supports_backward = false; // training possible; starts in training mode when true
   // Forward-only R, 1 <= R <= N-K: the slots blocks rotate through; K+R blocks load per pass.
   // 0 = layout::default_rotating_slots; N-K is the seed's cyclic scheme.

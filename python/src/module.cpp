@@ -61,21 +61,21 @@ FusedOptimizer fused_optimizer(const std::string& kind, const std::map<std::stri
   const auto found = h.find("kernel");
   const int code = found == h.end() ? 0 : static_cast<int>(found->second);
   BLOCKSWAP_CHECK(code >= 0 && code <= 3, "unknown optimizer kernel ", code);
-  const OptimizerKernel kernel =
-      std::array{OptimizerKernel::torch_optim, OptimizerKernel::for_loop, OptimizerKernel::foreach,
-                 OptimizerKernel::fused}[code];
+  const OptimizerKernel kernel = std::array{OptimizerKernel::torch_optim, OptimizerKernel::for_loop,
+                                            OptimizerKernel::foreach, OptimizerKernel::fused}[code];
   if (kind == "sgd") {
-    return FusedSGD{h.at("lr"), h.at("momentum"), h.at("dampening"), h.at("weight_decay"),
-                    h.at("nesterov") != 0, kernel};
+    return FusedSGD{h.at("lr"),           h.at("momentum"),      h.at("dampening"),
+                    h.at("weight_decay"), h.at("nesterov") != 0, kernel};
   }
   BLOCKSWAP_CHECK(kind == "adamw", "unknown optimizer kind '", kind, "'");
   return FusedAdamW{h.at("lr"),  h.at("beta1"),        h.at("beta2"),
                     h.at("eps"), h.at("weight_decay"), kernel};
 }
 
-std::unique_ptr<Offloader> make_offloader(std::string block_type,
-                                          const std::vector<std::pair<NamedTensors, NamedTensors>>& blocks,
-                                          const Options& options) {
+std::unique_ptr<Offloader>
+make_offloader(std::string block_type,
+               const std::vector<std::pair<NamedTensors, NamedTensors>>& blocks,
+               const Options& options) {
   std::vector<TensorBlock> tensor_blocks;
   for (const auto& [parameters, buffers] : blocks) tensor_blocks.push_back({parameters, buffers});
   auto offloader = std::make_unique<Offloader>();
@@ -107,8 +107,8 @@ PYBIND11_MODULE(_C, m) {
   static py::exception<OutOfMemory> out_of_memory(m, "OutOfMemoryError", error.ptr());
   // An option out of range is a blockswap.Error and, as Python's convention has it, a ValueError.
   static py::handle invalid_argument = PyErr_NewException(
-      "blockswap._C.InvalidArgumentError", py::make_tuple(error, py::handle(PyExc_ValueError)).release().ptr(),
-      nullptr);
+      "blockswap._C.InvalidArgumentError",
+      py::make_tuple(error, py::handle(PyExc_ValueError)).release().ptr(), nullptr);
   m.attr("InvalidArgumentError") = invalid_argument;
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -196,24 +196,27 @@ PYBIND11_MODULE(_C, m) {
 
   using Release = py::call_guard<py::gil_scoped_release>;
   py::class_<Offloader>(m, "Offloader")
-      .def(py::init(&make_offloader), py::arg("block_type"), py::arg("blocks"),
-           py::arg("options"))
-      .def("prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
-           Release())
-      .def("wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); },
-           Release())
-      .def("submit", [](Offloader& o, int64_t i) { o.get().submit_move_blocks_forward(i); },
-           Release())
-      .def("bracket_outputs",
-           [](Offloader& o, int64_t i, const std::vector<at::Tensor>& outputs) {
-             return o.get().bracket_outputs(i, outputs);
-           },
-           Release())
+      .def(py::init(&make_offloader), py::arg("block_type"), py::arg("blocks"), py::arg("options"))
+      .def(
+          "prepare", [](Offloader& o) { o.get().prepare_block_devices_before_forward(); },
+          Release())
+      .def(
+          "wait_for_block", [](Offloader& o, int64_t i) { o.get().wait_for_block(i); }, Release())
+      .def(
+          "submit", [](Offloader& o, int64_t i) { o.get().submit_move_blocks_forward(i); },
+          Release())
+      .def(
+          "bracket_outputs",
+          [](Offloader& o, int64_t i, const std::vector<at::Tensor>& outputs) {
+            return o.get().bracket_outputs(i, outputs);
+          },
+          Release())
       .def("disable", [](Offloader& o) { o.get().disable_block_swap(); })
       .def("enable", [](Offloader& o) { o.get().enable_block_swap(); })
       .def("set_forward_only", [](Offloader& o, bool f) { o.get().set_forward_only(f); })
       .def("is_resident", [](Offloader& o, int64_t i) { return o.get().is_resident(i); })
-      .def("synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
+      .def(
+          "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
@@ -224,19 +227,18 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("optimizer_state", [](Offloader& o, int64_t i) { return o.get().optimizer_state(i); })
       .def("optimizer_steps", [](Offloader& o, int64_t i) { return o.get().optimizer_steps(i); })
-      .def("accumulated_backwards",
-           [](Offloader& o) { return o.get().accumulated_backwards(); })
+      .def("accumulated_backwards", [](Offloader& o) { return o.get().accumulated_backwards(); })
       .def("completed_steps", [](Offloader& o) { return o.get().completed_steps(); })
-      .def("discard_accumulated_gradients",
-           [](Offloader& o) { o.get().discard_accumulated_gradients(); }, Release())
+      .def(
+          "discard_accumulated_gradients",
+          [](Offloader& o) { o.get().discard_accumulated_gradients(); }, Release())
       .def("step_on", [](Offloader& o) { return step_on_name(o.get().step_on()); })
       .def("set_optimizer_steps",
            [](Offloader& o, int64_t i, const std::string& name, int64_t steps) {
              o.get().set_optimizer_steps(i, name, steps);
            })
-      .def("close",
-           [](Offloader& o) {
-             py::gil_scoped_release release; // waits for copies in flight
-             o.impl.reset();
-           });
+      .def("close", [](Offloader& o) {
+        py::gil_scoped_release release; // waits for copies in flight
+        o.impl.reset();
+      });
 }

@@ -235,10 +235,9 @@ void Engine::Impl::wait_locked(int64_t block) {
   }
   mark_ready(block);
   if (options_.debug && state.replaced >= 0) {
-    log(detail::concat("[", label_, "] Moved blocks ", state.replaced, " and ", block,
-                       " in ", format_seconds(seconds_since(state.submitted))));
-    log(detail::concat("[", label_, "] Waited for block ", block, ": ",
-                       format_seconds(stalled)));
+    log(detail::concat("[", label_, "] Moved blocks ", state.replaced, " and ", block, " in ",
+                       format_seconds(seconds_since(state.submitted))));
+    log(detail::concat("[", label_, "] Waited for block ", block, ": ", format_seconds(stalled)));
   }
 }
 
@@ -268,8 +267,8 @@ Entered Engine::enter(int64_t block, Compute compute) {
   // In training, a differentiable block computed twice between two prepares is either the
   // recompute of reentrant checkpointing without that option, or a second pass without
   // prepare: the moves would follow neither. Both are named.
-  BLOCKSWAP_CHECK(!(impl_->training() && compute.differentiable && impl_->blocks_[block].forwarded), "[",
-                  impl_->label_, "] block ", block,
+  BLOCKSWAP_CHECK(!(impl_->training() && compute.differentiable && impl_->blocks_[block].forwarded),
+                  "[", impl_->label_, "] block ", block,
                   " runs forward a second time in this pass. If this is the recompute of "
                   "reentrant activation checkpointing, set reentrant_activation_checkpointing = "
                   "true; otherwise call prepare_block_devices_before_forward() before each pass");
@@ -322,8 +321,8 @@ void Engine::Impl::move(const Move& m, bool settle) {
                   "before each pass (",
                   current().describe(), ")");
   if (options_.debug) {
-    log(detail::concat("[", label_, "] Move block ", m.out, " to host and block ", m.in,
-                       " to ", backend_->name()));
+    log(detail::concat("[", label_, "] Move block ", m.out, " to host and block ", m.in, " to ",
+                       backend_->name()));
   }
   const int64_t slot = out.slot;
   wait_like_the_seed(slot);
@@ -364,8 +363,8 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   } else if (current().writes_back()) {
     // The seed replay copies back weights that did not change: the host's bytes stay the same
     // whatever part of the copy happens.
-    backend_->copy_to_host(store_.buffer(block)->data(), slot.memory->data(),
-                           store_.bytes(block), block);
+    backend_->copy_to_host(store_.buffer(block)->data(), slot.memory->data(), store_.bytes(block),
+                           block);
     stats_.d2h_bytes += store_.bytes(block);
   }
   if (!refilled) backend_->poison(slot.memory->data(), slot_bytes_);
@@ -516,7 +515,8 @@ Stats Engine::stats() const {
 void Engine::reset_stats() {
   std::lock_guard lock(impl_->mutex_);
   // Stalls still in flight belong to before the reset: their timers are reused unread.
-  for (Impl::StallTimer& timer : impl_->stall_timers_) impl_->spare_timers_.push_back(std::move(timer));
+  for (Impl::StallTimer& timer : impl_->stall_timers_)
+    impl_->spare_timers_.push_back(std::move(timer));
   impl_->stall_timers_.clear();
   const uint64_t device_bytes = impl_->stats_.device_bytes;
   impl_->stats_ = Stats{};
@@ -538,10 +538,18 @@ Engine::Engine(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_
                                    std::move(label))) {}
 Engine::~Engine() = default;
 
-int64_t Engine::blocks() const { return impl_->blocks(); }
-const std::string& Engine::label() const { return impl_->label_; }
-std::size_t Engine::slot_bytes() const { return impl_->slot_bytes_; }
+int64_t Engine::blocks() const {
+  return impl_->blocks();
+}
+const std::string& Engine::label() const {
+  return impl_->label_;
+}
+std::size_t Engine::slot_bytes() const {
+  return impl_->slot_bytes_;
+}
 // Without the engine's lock: a worker thread waits while the engine goes on.
-void Engine::wait(const Event& event) { impl_->backend_->synchronize(event); }
+void Engine::wait(const Event& event) {
+  impl_->backend_->synchronize(event);
+}
 
 } // namespace blockswap

@@ -32,11 +32,11 @@ struct Engine::Impl {
   struct BlockState {
     int64_t slot = -1;
     bool ready = false;
-    bool dirty = false; // changed on the device since its last write-back
+    bool dirty = false;              // changed on the device since its last write-back
     bool evicted_by_forward = false; // the training schedule's forward evicts it
-    bool forwarded = false;        // computed since prepare(), outside a recompute pass
-    std::unique_ptr<Event> loaded; // recorded on the copy stream after its load
-    int64_t replaced = -1;         // for debug lines: the block its load evicted
+    bool forwarded = false;          // computed since prepare(), outside a recompute pass
+    std::unique_ptr<Event> loaded;   // recorded on the copy stream after its load
+    int64_t replaced = -1;           // for debug lines: the block its load evicted
     Clock::time_point submitted;
     const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
   };

@@ -27,9 +27,9 @@ int64_t Engine::Impl::victim_for(int64_t block) const {
   auto score = [&](int64_t s) -> int64_t { // higher is better
     const int64_t occupant = slots_[s].block;
     if (occupant < 0) return 3 * blocks();
-    if (occupant > block) return slots_[s].memory.get() == blocks_[block].computed_in
-                                     ? 2 * blocks() + 1
-                                     : blocks() + occupant;
+    if (occupant > block)
+      return slots_[s].memory.get() == blocks_[block].computed_in ? 2 * blocks() + 1
+                                                                  : blocks() + occupant;
     return blocks() - occupant;
   };
   for (int64_t s = 1; s < static_cast<int64_t>(slots_.size()); ++s) {
@@ -179,8 +179,8 @@ void Engine::mark_dirty(int64_t block) {
 // (after the computation that produced it), the CPU steps the block's host copy, and the
 // block's trainable bytes are loaded again into its slot if it is still there. Loads of the
 // block wait until its steps are done (ResidencyListener::before_load).
-std::shared_ptr<Event> Engine::copy_out(std::byte* host, const std::byte* device,
-                                              std::size_t bytes, int64_t tag) {
+std::shared_ptr<Event> Engine::copy_out(std::byte* host, const std::byte* device, std::size_t bytes,
+                                        int64_t tag) {
   std::lock_guard lock(impl_->mutex_);
   std::shared_ptr<Event> computed = impl_->backend_->make_event();
   impl_->backend_->record(*computed, Stream::compute);
@@ -198,14 +198,14 @@ void Engine::reload_trainable(int64_t block) {
   Impl::BlockState& state = impl_->blocks_[block];
   const std::size_t trainable = impl_->store_.trainable_bytes(block);
   if (state.slot < 0 || trainable == 0) return;
-  BLOCKSWAP_CHECK(!state.dirty && !impl_->store_.pending(block), "[", impl_->label_, "] block ", block,
-                  " changed on the device and on the host at once");
+  BLOCKSWAP_CHECK(!state.dirty && !impl_->store_.pending(block), "[", impl_->label_, "] block ",
+                  block, " changed on the device and on the host at once");
   if (impl_->listener_ != nullptr) impl_->listener_->before_load(block);
   Impl::SlotState& slot = impl_->slots_[state.slot];
   impl_->backend_->record(*slot.released, Stream::compute); // after every reader of the old bytes
   impl_->backend_->wait(Stream::copy, *slot.released);
   impl_->backend_->copy_to_device(slot.memory->data() + impl_->store_.frozen_bytes(block),
-                           impl_->store_.trainable(block).data(), trainable, block);
+                                  impl_->store_.trainable(block).data(), trainable, block);
   impl_->backend_->record(*state.loaded, Stream::copy);
   impl_->stats_.h2d_bytes += trainable;
   state.ready = false; // the next enter waits for it

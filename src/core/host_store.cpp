@@ -23,8 +23,8 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
     block.trainable = !trainable_bytes.empty() ? trainable_bytes[i]
                       : caller_memory_         ? 0
                                                : block.bytes;
-    BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label, "] block ", i, " has ",
-                    block.bytes, " bytes, fewer than its ", block.trainable, " trainable bytes");
+    BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label, "] block ", i, " has ", block.bytes,
+                    " bytes, fewer than its ", block.trainable, " trainable bytes");
     if (!caller_memory_) {
       block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
       continue;

@@ -114,8 +114,8 @@ NodeMemory NodeMemory::open(const NodeMemoryTicket& ticket) {
   const std::size_t needed = page_size() + round_up(ticket.bytes, page_size());
   const bool sized = fstat(m.fd_, &st) == 0 && static_cast<std::size_t>(st.st_size) == needed;
   // Note [copy on write]
-  void* p = sized ? mmap(nullptr, needed, PROT_READ | PROT_WRITE, MAP_PRIVATE, m.fd_, 0)
-                  : MAP_FAILED;
+  void* p =
+      sized ? mmap(nullptr, needed, PROT_READ | PROT_WRITE, MAP_PRIVATE, m.fd_, 0) : MAP_FAILED;
   if (p != MAP_FAILED) {
     m.mapping_ = static_cast<std::byte*>(p);
     m.mapped_ = needed;
@@ -168,8 +168,9 @@ void NodeMemory::seal() {
   if (!writable_) return;
   void* p = mmap(mapping_, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, fd_, 0);
   BLOCKSWAP_CHECK(p == mapping_, system_error("node memory: mapping it copy-on-write"));
-  BLOCKSWAP_CHECK(fcntl(fd_, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0,
-                  system_error("node memory: sealing"));
+  BLOCKSWAP_CHECK(
+      fcntl(fd_, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0,
+      system_error("node memory: sealing"));
   writable_ = false;
 }
 

@@ -28,8 +28,8 @@ void check_sizes(const std::vector<std::size_t>& blocks) {
     total += bytes;
     largest = std::max(largest, bytes);
   }
-  BLOCKSWAP_CHECK(largest <= kMostBytes / blocks.size(), "the planner cannot plan ",
-                  blocks.size(), " slots of ", largest, " bytes: at most ", kMostBytes,
+  BLOCKSWAP_CHECK(largest <= kMostBytes / blocks.size(), "the planner cannot plan ", blocks.size(),
+                  " slots of ", largest, " bytes: at most ", kMostBytes,
                   " bytes of slots per list");
 }
 
@@ -43,8 +43,10 @@ void check_lists(std::span<const std::vector<std::size_t>> lists, std::size_t fi
     BLOCKSWAP_CHECK(!list.empty(), "the planner needs at least one block in every list");
     check_sizes(list);
     const std::size_t slots = list.size() * layout::slot_bytes(list);
-    BLOCKSWAP_CHECK(slots <= kMostBytes - most, "the planner cannot plan these block lists: "
-                    "their slots add up to more than ", kMostBytes, " bytes");
+    BLOCKSWAP_CHECK(slots <= kMostBytes - most,
+                    "the planner cannot plan these block lists: "
+                    "their slots add up to more than ",
+                    kMostBytes, " bytes");
     most += slots;
   }
 }
@@ -58,7 +60,8 @@ ListFacts facts(const std::vector<std::size_t>& blocks, Mode mode) {
   ListFacts f{layout::slot_bytes(blocks), Schedule::max_blocks_to_swap(n, mode), {}};
   for (int64_t k = 0; k <= f.max_k; ++k) {
     const Schedule schedule(ScheduleOptions{n, k, mode});
-    f.moved.push_back(static_cast<std::size_t>(schedule.loads_per_pass()) * (total / blocks.size()));
+    f.moved.push_back(static_cast<std::size_t>(schedule.loads_per_pass()) *
+                      (total / blocks.size()));
   }
   return f;
 }
@@ -74,8 +77,8 @@ struct Score {
 // How many slots of `slot_bytes` fit `room`, at most `blocks` (slots of empty blocks take none).
 int64_t slots_in(std::size_t room, std::size_t slot_bytes, int64_t blocks) {
   if (slot_bytes == 0) return blocks;
-  return static_cast<int64_t>(std::min<std::size_t>(room / slot_bytes,
-                                                    static_cast<std::size_t>(blocks)));
+  return static_cast<int64_t>(
+      std::min<std::size_t>(room / slot_bytes, static_cast<std::size_t>(blocks)));
 }
 
 std::size_t device_of(const std::vector<std::size_t>& list, const ListFacts& f, int64_t k) {

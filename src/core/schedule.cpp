@@ -26,8 +26,8 @@ void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode) {
   BLOCKSWAP_CHECK_ARGUMENT(blocks >= 1, "a model needs at least one block, got N=", blocks);
   const int64_t max_k = max_blocks_to_swap(blocks, mode);
   BLOCKSWAP_CHECK_ARGUMENT(blocks_to_swap >= 0 && blocks_to_swap <= max_k,
-                  "blocks_to_swap K=", blocks_to_swap, " is out of range for N=", blocks,
-                  " blocks in ", to_string(mode), " mode: expected 0 <= K <= ", max_k);
+                           "blocks_to_swap K=", blocks_to_swap, " is out of range for N=", blocks,
+                           " blocks in ", to_string(mode), " mode: expected 0 <= K <= ", max_k);
 }
 
 void Schedule::check(const ScheduleOptions& options) {
@@ -38,9 +38,9 @@ void Schedule::check(const ScheduleOptions& options) {
   }
   const int64_t max_r = options.blocks - options.blocks_to_swap;
   BLOCKSWAP_CHECK_ARGUMENT(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
-                           "rotating_slots R=", options.rotating_slots, " is out of range for N=",
-                           options.blocks, ", K=", options.blocks_to_swap,
-                           ": expected 1 <= R <= N-K = ", max_r);
+                           "rotating_slots R=", options.rotating_slots,
+                           " is out of range for N=", options.blocks,
+                           ", K=", options.blocks_to_swap, ": expected 1 <= R <= N-K = ", max_r);
 }
 
 Schedule::Schedule(const ScheduleOptions& options)

@@ -16,8 +16,8 @@ void check_list(const SimulatedList& list) {
   const auto n = static_cast<std::size_t>(list.schedule->blocks());
   const BlockTiming& t = *list.timing;
   BLOCKSWAP_CHECK(t.forward_seconds.size() == n && t.bytes.size() == n, "simulator: ", n,
-                  " blocks in the schedule but ", t.forward_seconds.size(),
-                  " forward times and ", t.bytes.size(), " block sizes");
+                  " blocks in the schedule but ", t.forward_seconds.size(), " forward times and ",
+                  t.bytes.size(), " block sizes");
   BLOCKSWAP_CHECK(std::isfinite(t.backward_factor) && t.backward_factor >= 0,
                   "simulator: backward_factor must be finite and >= 0, got ", t.backward_factor);
   for (double s : t.forward_seconds) {
@@ -163,8 +163,8 @@ double slot_seconds(const SimulatedList& list, const LinkModel& link) {
   std::vector<double> per_slot(static_cast<std::size_t>(schedule.slots()), 0.0);
   for (const Op& op : schedule.pass()) {
     if (op.slot < 0) continue;
-    per_slot[op.slot] += op.kind == Op::Kind::move ? load_seconds(op.move)
-                                                     : compute_seconds(timing, op);
+    per_slot[op.slot] +=
+        op.kind == Op::Kind::move ? load_seconds(op.move) : compute_seconds(timing, op);
   }
   return per_slot.empty() ? 0.0 : *std::max_element(per_slot.begin(), per_slot.end());
 }
@@ -176,8 +176,7 @@ double slot_seconds(const SimulatedList& list, const LinkModel& link) {
 // list's blocks in that range, and the slot runs those q computes and the q-1 loads between
 // them; every other block of the pass (the other lists', and this list's outside the range)
 // computes outside that stretch. Returns the pass's compute when nothing rotates.
-double chained_pass_seconds(const SimulatedList& list, double pass_compute,
-                            const LinkModel& link) {
+double chained_pass_seconds(const SimulatedList& list, double pass_compute, const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
   const BlockTiming& timing = *list.timing;
   std::vector<int64_t> rotating;
@@ -206,8 +205,7 @@ double chained_pass_seconds(const SimulatedList& list, double pass_compute,
 // one after another on the link, and the block loaded last computes only after its load, then
 // the rest of the half. Every list's halves are disjoint stretches of the compute stream, so
 // their bounds add up. Returns the half's compute when it moves nothing.
-double half_seconds(const std::vector<Op>& ops, const SimulatedList& list,
-                    const LinkModel& link) {
+double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
   const BlockTiming& timing = *list.timing;
   double compute = 0, copies = 0;

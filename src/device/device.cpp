@@ -80,11 +80,11 @@ public:
       std::lock_guard lock(state_->mutex);
       const std::size_t budget = state_->budget_bytes;
       if (budget > 0 && state_->held_bytes + bytes > budget) {
-        throw OutOfMemory(detail::concat(
-            "[", label_, "] ", state_->backend->name(), ": a slot of ", bytes,
-            " bytes does not fit the device budget of ", budget, " bytes; held now: ",
-            state_->held_bytes, " bytes (", state_->holders(),
-            "). Swap more blocks, or plan every block list together (the planner)"));
+        throw OutOfMemory(
+            detail::concat("[", label_, "] ", state_->backend->name(), ": a slot of ", bytes,
+                           " bytes does not fit the device budget of ", budget,
+                           " bytes; held now: ", state_->held_bytes, " bytes (", state_->holders(),
+                           "). Swap more blocks, or plan every block list together (the planner)"));
       }
       // Claimed before allocating, so that two engines cannot both take the last of the budget.
       state_->held_bytes += bytes;
@@ -181,7 +181,8 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
   if (name == "emulated" || name == "cpu") {
     EmulatedDeviceOptions emulated;
     emulated.link_gbps = options.emulated_link_gbps;
-    if (options.emulated_capacity_bytes > 0) emulated.capacity_bytes = options.emulated_capacity_bytes;
+    if (options.emulated_capacity_bytes > 0)
+      emulated.capacity_bytes = options.emulated_capacity_bytes;
     return std::make_shared<Device>(std::make_shared<EmulatedDevice>(emulated),
                                     options.budget_bytes);
   }
@@ -190,7 +191,8 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
     CudaDeviceOptions cuda;
     if (name.size() > 5) {
       const std::string_view index = name.substr(5);
-      const auto [end, ec] = std::from_chars(index.data(), index.data() + index.size(), cuda.device);
+      const auto [end, ec] =
+          std::from_chars(index.data(), index.data() + index.size(), cuda.device);
       BLOCKSWAP_CHECK(ec == std::errc() && end == index.data() + index.size() && cuda.device >= 0,
                       "device '", name, "': the index after 'cuda:' must be a number, e.g. cuda:0");
     }
@@ -201,8 +203,8 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
   }
   std::string known;
   for (const std::string& kind : kinds()) known += detail::concat(known.empty() ? "" : ", ", kind);
-  throw Error(detail::concat("device '", name, "' is not one this build of blockswap has (",
-                             known, ")"));
+  throw Error(
+      detail::concat("device '", name, "' is not one this build of blockswap has (", known, ")"));
 }
 
 std::vector<std::string> Device::kinds() {

@@ -84,8 +84,9 @@ std::vector<std::vector<std::size_t>> block_lists(const ModelLayout& layout) {
 
 namespace {
 
-ModelPlan to_model_plan(const ModelLayout& layout, const std::vector<std::vector<std::size_t>>& lists,
-                        const SwapPlan& swaps, uint64_t budget_bytes, Mode mode) {
+ModelPlan to_model_plan(const ModelLayout& layout,
+                        const std::vector<std::vector<std::size_t>>& lists, const SwapPlan& swaps,
+                        uint64_t budget_bytes, Mode mode) {
   ModelPlan plan{mode, budget_bytes, layout.non_block_bytes, swaps.device_bytes, swaps.moved_bytes,
                  {}};
   for (std::size_t i = 0; i < lists.size(); ++i) {

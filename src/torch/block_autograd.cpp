@@ -21,8 +21,8 @@ using torch::autograd::AutogradContext;
 // block's weights (seen with LibTorch 1.13: gradient sum 1344 instead of -2.69;
 // block_autograd_test reproduces it). Hence the node on a block's outputs: its backward runs
 // before the block's own and makes the engine put the block back into the slot its views
-// point to (Note [exact backward] in engine_training.cpp). Recomputing the block would work too, at the
-// price of a second forward; bringing the weights back costs at most one load, and none in the
+// point to (Note [exact backward] in engine_training.cpp). Recomputing the block would work too, at
+// the price of a second forward; bringing the weights back costs at most one load, and none in the
 // schedule's own order.
 
 // The state the node carries from forward to backward, as an opaque IValue capsule.

@@ -39,9 +39,9 @@ public:
 // Calls events->gradient_ready(block, param) each time autograd has accumulated a gradient into
 // `parameter` (a leaf that requires grad). Returns the parameter's gradient accumulator, which
 // carries the hook: keep it, or autograd may make a new one without it.
-compat::NodePtr
-on_gradient(const at::Tensor& parameter, const std::shared_ptr<BackwardEvents>& events,
-            int64_t block, std::size_t param);
+compat::NodePtr on_gradient(const at::Tensor& parameter,
+                            const std::shared_ptr<BackwardEvents>& events, int64_t block,
+                            std::size_t param);
 
 // Runs `callback` once the backward now running (called from inside it) has finished.
 void at_backward_end(std::function<void()> callback);

@@ -23,8 +23,8 @@ at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
   // the block's trainable bytes are now.
   if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
   const HostRegion& trainable = trainable_hosts_[block];
-  return view(trainable.buffer,
-              trainable.offset + (t.offset - layouts_[block].trainable_offset), t, at::kCPU);
+  return view(trainable.buffer, trainable.offset + (t.offset - layouts_[block].trainable_offset), t,
+              at::kCPU);
 }
 
 // Note [device change]
@@ -101,12 +101,13 @@ bool BlockBinder::caller_changed(int64_t block, std::size_t index) const {
 void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
   const at::Tensor& now = t.variable;
   BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
-                  "] tensor '",
-                  t.name, "' of block ", block, " was replaced by one of shape ", now.sizes(),
-                  " and dtype ", now.scalar_type(), " where the block has ", at::IntArrayRef(t.sizes),
-                  " and ", t.dtype, ": a swapped block's tensors keep their shape and dtype");
-  BLOCKSWAP_CHECK(!shared_ || t.role != Role::frozen, "[", label_, "] frozen tensor '", t.name, "' of block ",
-                  block, " was changed, but its host copy is the node's, shared by every rank "
+                  "] tensor '", t.name, "' of block ", block, " was replaced by one of shape ",
+                  now.sizes(), " and dtype ", now.scalar_type(), " where the block has ",
+                  at::IntArrayRef(t.sizes), " and ", t.dtype,
+                  ": a swapped block's tensors keep their shape and dtype");
+  BLOCKSWAP_CHECK(!shared_ || t.role != Role::frozen, "[", label_, "] frozen tensor '", t.name,
+                  "' of block ", block,
+                  " was changed, but its host copy is the node's, shared by every rank "
                   "(Options::node_sharing): load or change frozen weights before building the "
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
@@ -122,7 +123,8 @@ void BlockBinder::check_still_frozen() const {
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     for (const PackedTensor& t : layouts_[b].tensors) {
       if (t.role != Role::frozen) continue;
-      BLOCKSWAP_CHECK(!t.variable.requires_grad(), "[", label_, "] parameter '", t.name, "' of block ", b,
+      BLOCKSWAP_CHECK(!t.variable.requires_grad(), "[", label_, "] parameter '", t.name,
+                      "' of block ", b,
                       " was made trainable after the ModelOffloader was built, which swaps it "
                       "as a frozen weight: choose which parameters train before building it");
     }

@@ -23,8 +23,7 @@ namespace blockswap::torch_frontend {
 class BlockBinder final : public ResidencyListener {
 public:
   // `label` prefixes its messages.
-  BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device,
-              bool strict);
+  BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device, bool strict);
 
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
@@ -88,7 +87,7 @@ private:
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
 
   std::vector<BlockLayout> layouts_;
-  std::vector<std::vector<Binding>> bound_; // [block][tensor]
+  std::vector<std::vector<Binding>> bound_;    // [block][tensor]
   std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()
   // Where each block's trainable bytes are in host memory (Note [atomic write-back]).
   std::vector<HostRegion> trainable_hosts_;

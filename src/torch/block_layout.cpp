@@ -51,8 +51,7 @@ std::vector<TensorBlock> tensor_blocks(const BlockList& blocks, const std::strin
     BLOCKSWAP_CHECK(blocks[b] != nullptr, "[", label, "] block ", b, " is a null module");
     for (std::size_t earlier = 0; earlier < b; ++earlier) {
       BLOCKSWAP_CHECK(blocks[earlier] != blocks[b], "[", label, "] block ", b,
-                      " is the same module as block ", earlier,
-                      ": each block must be listed once");
+                      " is the same module as block ", earlier, ": each block must be listed once");
     }
     TensorBlock block;
     for (const auto& item : blocks[b]->named_parameters(/*recurse=*/true)) {
@@ -99,8 +98,8 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
       BLOCKSWAP_CHECK(tensor.is_contiguous(), "[", label, "] tensor '", name, "' of block ", b,
                       " is not contiguous: make it so first (t.set_data(t.contiguous()))");
       const auto [it, inserted] = owner.emplace(tensor.unsafeGetTensorImpl(), b);
-      BLOCKSWAP_CHECK(inserted || it->second == b, "[", label, "] tensor '", name, "' of block ",
-                      b, " is shared with block ", it->second,
+      BLOCKSWAP_CHECK(inserted || it->second == b, "[", label, "] tensor '", name, "' of block ", b,
+                      " is shared with block ", it->second,
                       ": blocks must own their weights to be swapped");
       if (!inserted) return false; // the same tensor twice inside one block: packed once
       BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "[", label,
@@ -119,12 +118,12 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
         check(name, tensor); // stays as it is, on the device
         continue;
       }
-      BLOCKSWAP_CHECK(!tensor.grad().defined(), "[", label, "] parameter '", name, "' of block ",
-                      b, " has a gradient already, which the fused step would not see: drop it "
+      BLOCKSWAP_CHECK(!tensor.grad().defined(), "[", label, "] parameter '", name, "' of block ", b,
+                      " has a gradient already, which the fused step would not see: drop it "
                       "before building the offloader (p.grad = None; in C++ "
                       "p.mutable_grad().reset())");
-      BLOCKSWAP_CHECK(at::isFloatingType(tensor.scalar_type()), "[", label, "] parameter '",
-                      name, "' of block ", b, " requires grad but is not floating point");
+      BLOCKSWAP_CHECK(at::isFloatingType(tensor.scalar_type()), "[", label, "] parameter '", name,
+                      "' of block ", b, " requires grad but is not floating point");
       if (add(name, tensor, Role::trainable)) {
         if (layout.trainable.empty()) layout.trainable_offset = layout.tensors.back().offset;
         layout.trainable.push_back(TrainableParam{layout.tensors.size() - 1, {}, 0});

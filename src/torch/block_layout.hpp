@@ -49,7 +49,9 @@ struct BlockLayout {
   std::vector<TrainableParam> trainable;
   std::size_t trainable_bytes() const { return bytes - trainable_offset; }
   // The name of trainable parameter `p` ("attn.qkv.weight").
-  const std::string& trainable_name(std::size_t p) const { return tensors[trainable[p].tensor].name; }
+  const std::string& trainable_name(std::size_t p) const {
+    return tensors[trainable[p].tensor].name;
+  }
 };
 
 // What is packed besides frozen weights: for full fine-tuning, the parameters that require grad,

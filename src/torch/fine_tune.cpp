@@ -143,8 +143,9 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
     host_gradient(block, param, grad, final);
     return;
   }
-  BLOCKSWAP_CHECK(engine_->is_ready(block) && variable.data_ptr() == binder_->bound_data(block, where.tensor), "[", label_,
-                  "] parameter '", t.name, "' of block ", block,
+  BLOCKSWAP_CHECK(engine_->is_ready(block) &&
+                      variable.data_ptr() == binder_->bound_data(block, where.tensor),
+                  "[", label_, "] parameter '", t.name, "' of block ", block,
                   " got its gradient after the block left the device, so it cannot be stepped");
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> state;
@@ -178,12 +179,12 @@ void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at
   }
   if (max_norm_ > 0) clip_gradient(grad, max_norm_, clip_as_python_);
   const auto& layout = binder_->layouts()[block];
-  step_parameter(optimizer_, ParamStep{layout.trainable_name(param), block,
-                                       variable, grad, state, ++p.steps});
+  step_parameter(optimizer_,
+                 ParamStep{layout.trainable_name(param), block, variable, grad, state, ++p.steps});
 }
 
-// Note [host step] in engine_training.cpp: the gradient goes out on the copy stream; the worker waits
-// for it and steps the host copy; loads of the block wait for the worker (before_load).
+// Note [host step] in engine_training.cpp: the gradient goes out on the copy stream; the worker
+// waits for it and steps the host copy; loads of the block wait for the worker (before_load).
 void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor& grad,
                               bool final) {
   // The step changes the host copy: what the caller wrote into the block's tensors on the
@@ -227,9 +228,8 @@ void FineTuner::work() {
            binder_->host_copy(task.block, where.tensor), host.state);
     } catch (const std::exception& e) {
       const auto& layout = binder_->layouts()[task.block];
-      failure =
-          detail::concat("parameter '", layout.trainable_name(task.param),
-                         "' of block ", task.block, ": ", e.what());
+      failure = detail::concat("parameter '", layout.trainable_name(task.param), "' of block ",
+                               task.block, ": ", e.what());
     }
     task.device_grad = at::Tensor();
     lock.lock();
@@ -308,7 +308,8 @@ void FineTuner::check_no_gradient_missed() const {
       variable.mutable_grad().reset();
       throw Error(detail::concat(
           "[", label_, "] parameter '", binder_->tensor(static_cast<int64_t>(b), where.tensor).name,
-          "' of block ", b, " got a gradient that the fused step did not see, so it did not "
+          "' of block ", b,
+          " got a gradient that the fused step did not see, so it did not "
           "step: its gradient accumulator was replaced behind blockswap (the parameter moved "
           "with .data = or set_data, or to another device); move a model's parameters before "
           "building its ModelOffloader"));
@@ -329,8 +330,8 @@ void FineTuner::end_step() {
       if (!params_[b][p].summed) continue;
       params_[b][p].summed = false; // the next step starts anew
       const auto& layout = binder_->layouts()[b];
-      partial += detail::concat(partial.empty() ? "" : ", ", "'",
-                                layout.trainable_name(p), "' of block ", b);
+      partial += detail::concat(partial.empty() ? "" : ", ", "'", layout.trainable_name(p),
+                                "' of block ", b);
     }
   }
   BLOCKSWAP_CHECK(partial.empty(), "[", label_, "] parameter(s) ", partial,

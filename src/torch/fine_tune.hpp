@@ -81,8 +81,8 @@ private:
     int64_t steps = 0;   // steps taken
     bool summed = false; // grad_sum holds gradients of earlier backwards of this step
   };
-  // The step on the host (Note [host step] in engine_training.cpp): each parameter's gradient copied
-  // out, its state, and the sum of accumulating gradients, in host memory.
+  // The step on the host (Note [host step] in engine_training.cpp): each parameter's gradient
+  // copied out, its state, and the sum of accumulating gradients, in host memory.
   struct HostParam {
     at::Tensor grad, grad_sum;
     std::vector<at::Tensor> state;

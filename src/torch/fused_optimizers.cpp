@@ -149,36 +149,39 @@ std::vector<std::string> state_names(const FusedOptimizer& optimizer) {
 
 void check_optimizer(const std::string& label, const FusedOptimizer& optimizer) {
   const std::string where = detail::concat("[", label, "] Options::optimizer: ");
-  std::visit(
-      Overloaded{
-          [](std::monostate) {},
-          [&](const FusedSGD& o) {
-            BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.lr, 0), where, "SGD's lr ", o.lr,
-                            " must be finite and >= 0");
-            BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.momentum, 0) && finite_at_least(o.dampening, 0) &&
-                                finite_at_least(o.weight_decay, 0),
-                            where,
-                            "SGD's momentum, dampening and weight_decay must be finite and "
-                            ">= 0");
-            BLOCKSWAP_CHECK_ARGUMENT(!o.nesterov || (o.momentum > 0 && o.dampening == 0), where,
-                            "Nesterov momentum needs momentum > 0 and dampening 0");
-          },
-          [&](const FusedAdamW& o) {
-            BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.lr, 0), where, "AdamW's lr ", o.lr,
-                            " must be finite and >= 0");
-            BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.beta1, 0) && o.beta1 < 1 &&
-                                finite_at_least(o.beta2, 0) && o.beta2 < 1,
-                            where, "AdamW's betas (", o.beta1, ", ", o.beta2,
-                            ") must be in [0, 1)");
-            BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.eps, 0) && finite_at_least(o.weight_decay, 0), where,
-                            "AdamW's eps and weight_decay must be finite and >= 0");
-          },
-          [&](const FusedCustom& o) {
-            BLOCKSWAP_CHECK_ARGUMENT(static_cast<bool>(o.step), where, "FusedCustom needs a step function");
-            BLOCKSWAP_CHECK_ARGUMENT(o.state_tensors >= 0 && o.state_tensors <= 64, where,
-                            "FusedCustom::state_tensors ", o.state_tensors, " must be in [0, 64]");
-          }},
-      optimizer);
+  std::visit(Overloaded{[](std::monostate) {},
+                        [&](const FusedSGD& o) {
+                          BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.lr, 0), where, "SGD's lr ",
+                                                   o.lr, " must be finite and >= 0");
+                          BLOCKSWAP_CHECK_ARGUMENT(
+                              finite_at_least(o.momentum, 0) && finite_at_least(o.dampening, 0) &&
+                                  finite_at_least(o.weight_decay, 0),
+                              where,
+                              "SGD's momentum, dampening and weight_decay must be finite and "
+                              ">= 0");
+                          BLOCKSWAP_CHECK_ARGUMENT(
+                              !o.nesterov || (o.momentum > 0 && o.dampening == 0), where,
+                              "Nesterov momentum needs momentum > 0 and dampening 0");
+                        },
+                        [&](const FusedAdamW& o) {
+                          BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.lr, 0), where, "AdamW's lr ",
+                                                   o.lr, " must be finite and >= 0");
+                          BLOCKSWAP_CHECK_ARGUMENT(finite_at_least(o.beta1, 0) && o.beta1 < 1 &&
+                                                       finite_at_least(o.beta2, 0) && o.beta2 < 1,
+                                                   where, "AdamW's betas (", o.beta1, ", ", o.beta2,
+                                                   ") must be in [0, 1)");
+                          BLOCKSWAP_CHECK_ARGUMENT(
+                              finite_at_least(o.eps, 0) && finite_at_least(o.weight_decay, 0),
+                              where, "AdamW's eps and weight_decay must be finite and >= 0");
+                        },
+                        [&](const FusedCustom& o) {
+                          BLOCKSWAP_CHECK_ARGUMENT(static_cast<bool>(o.step), where,
+                                                   "FusedCustom needs a step function");
+                          BLOCKSWAP_CHECK_ARGUMENT(o.state_tensors >= 0 && o.state_tensors <= 64,
+                                                   where, "FusedCustom::state_tensors ",
+                                                   o.state_tensors, " must be in [0, 64]");
+                        }},
+             optimizer);
 }
 
 void set_learning_rate(const std::string& label, FusedOptimizer& optimizer, double lr) {
@@ -198,6 +201,5 @@ void step_parameter(const FusedOptimizer& optimizer, const ParamStep& args) {
                         [&](const FusedCustom& o) { o.step(args); }},
              optimizer);
 }
-
 
 } // namespace blockswap::torch_frontend

@@ -6,12 +6,12 @@
 
 #include "block_autograd.hpp"
 #include "block_binder.hpp"
-#include "node_sharing.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
-#include "torch_compat.hpp"
 #include "fine_tune.hpp"
+#include "node_sharing.hpp"
+#include "torch_compat.hpp"
 
 namespace blockswap {
 
@@ -79,17 +79,17 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
   return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
 }
 
-
 } // namespace
 
 class ModelOffloader::Impl final : public torch_frontend::BackwardEvents {
 public:
   Impl(std::string block_type, std::vector<TensorBlock> blocks, Options options)
-      : options_(std::move(options)), label_(std::move(block_type)),
-        device_(device_for(options_)), torch_device_(torch_device(*device_)),
-        fine_tuner_(options_, label_, torch_device_), blocks_(std::move(blocks)),
-        binder_(torch_frontend::layout_blocks(blocks_, label_, torch_device_, fine_tuner_.packing()),
-                label_, torch_device_, options_.strict_residency) {
+      : options_(std::move(options)), label_(std::move(block_type)), device_(device_for(options_)),
+        torch_device_(torch_device(*device_)), fine_tuner_(options_, label_, torch_device_),
+        blocks_(std::move(blocks)),
+        binder_(
+            torch_frontend::layout_blocks(blocks_, label_, torch_device_, fine_tuner_.packing()),
+            label_, torch_device_, options_.strict_residency) {
     try {
       build();
     } catch (const std::exception& e) {
@@ -116,14 +116,14 @@ public:
         engine_options.trainable_bytes.push_back(layout.trainable_bytes());
       }
     }
-    engine_options.blocks_to_swap = choose_blocks_to_swap(label_, options_, *device_,
-                                                          binder_.layouts());
+    engine_options.blocks_to_swap =
+        choose_blocks_to_swap(label_, options_, *device_, binder_.layouts());
     blocks_to_swap_ = engine_options.blocks_to_swap;
     std::vector<std::size_t> bytes;
     for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
     const std::shared_ptr<Backend> backend = device_->attach(label_);
-    engine_ = std::make_unique<Engine>(backend, std::move(bytes), std::move(engine_options),
-                                       label_);
+    engine_ =
+        std::make_unique<Engine>(backend, std::move(bytes), std::move(engine_options), label_);
     auto resident = resident_on(blocks_, torch_device_, fine_tuner_.enabled());
     using HostCopies = torch_frontend::BlockBinder::HostCopies;
     const HostCopies copies = !share_           ? HostCopies::own
@@ -344,15 +344,17 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
   if (device.is_cpu()) return Device::open("emulated", std::move(options));
   if (device.is_cuda()) {
     // Checked here, so that a LibTorch without what the CUDA path needs fails before any pass.
-    BLOCKSWAP_CHECK(c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ",
-                    device.str(), ": this LibTorch was built without CUDA");
+    BLOCKSWAP_CHECK(c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ", device.str(),
+                    ": this LibTorch was built without CUDA");
     BLOCKSWAP_CHECK(torch_frontend::compat::torch_cuda_streams(), "device ", device.str(),
                     ": this blockswap was built against a torch without CUDA; rebuild it "
                     "against the CUDA build of torch it runs with");
     const int index =
         device.has_index() ? device.index() : torch_frontend::compat::current_cuda_device();
     if (!options.compute_stream) {
-      options.compute_stream = [index] { return torch_frontend::compat::current_cuda_stream(index); };
+      options.compute_stream = [index] {
+        return torch_frontend::compat::current_cuda_stream(index);
+      };
     }
     return Device::open(detail::concat("cuda:", index), std::move(options));
   }
@@ -362,8 +364,8 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
 
 std::vector<std::size_t> packed_block_bytes(const BlockList& blocks, c10::Device device) {
   std::vector<std::size_t> bytes;
-  for (const BlockLayout& layout :
-       torch_frontend::layout_blocks(torch_frontend::tensor_blocks(blocks, "blocks"), "blocks", device)) {
+  for (const BlockLayout& layout : torch_frontend::layout_blocks(
+           torch_frontend::tensor_blocks(blocks, "blocks"), "blocks", device)) {
     bytes.push_back(layout.bytes);
   }
   return bytes;
@@ -397,15 +399,15 @@ make_impl(std::string block_type, std::vector<TensorBlock> blocks, const Options
     throw;
   }
   try {
-    auto impl = std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks),
-                                                       options);
+    auto impl =
+        std::make_shared<ModelOffloader::Impl>(std::move(block_type), std::move(blocks), options);
     impl->start(impl);
     return impl;
   } catch (const Error&) {
     throw;
   } catch (const c10::Error& e) {
-    throw Error(detail::concat("[", label, "] ModelOffloader could not be built: ",
-                               e.what_without_backtrace()));
+    throw Error(detail::concat(
+        "[", label, "] ModelOffloader could not be built: ", e.what_without_backtrace()));
   } catch (const std::exception& e) {
     throw Error(detail::concat("[", label, "] ModelOffloader could not be built: ", e.what()));
   }

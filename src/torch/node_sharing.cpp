@@ -16,15 +16,15 @@
 // The keys are "blockswap/<host>/[group-<group>/]<label>/<n>/...": the node's ranks find each
 // other by host name (and, when several groups of ranks share the store, by NodeSharing::group),
 // and the n-th offloader of a label that a process builds meets the n-th of every other rank of
-// its group on the node (every rank builds the same offloaders in the same order). Local rank 0 sets
-// "ticket" to "ok <fingerprint> <ticket>" once the memory is filled and sealed, or to
-// "failed <why>"; each other local rank r sets "opened/<r>" to "ok" once it has mapped the
-// memory, or to "failed <why>". Local rank 0 waits for every "opened/<r>" before its
-// constructor returns: the others open the memory through its /proc entry, so it must live
-// until they have. A rank that dies before setting its key makes the others' get() throw when
-// the store's timeout runs out; a rank that dies later makes the job's next collective fail
-// (Gloo, NCCL) while the others keep their mappings. The memory itself has no name anywhere
-// (core/node_memory.hpp): it goes with the last process that maps it, however that ends.
+// its group on the node (every rank builds the same offloaders in the same order). Local rank 0
+// sets "ticket" to "ok <fingerprint> <ticket>" once the memory is filled and sealed, or to "failed
+// <why>"; each other local rank r sets "opened/<r>" to "ok" once it has mapped the memory, or to
+// "failed <why>". Local rank 0 waits for every "opened/<r>" before its constructor returns: the
+// others open the memory through its /proc entry, so it must live until they have. A rank that dies
+// before setting its key makes the others' get() throw when the store's timeout runs out; a rank
+// that dies later makes the job's next collective fail (Gloo, NCCL) while the others keep their
+// mappings. The memory itself has no name anywhere (core/node_memory.hpp): it goes with the last
+// process that maps it, however that ends.
 
 namespace blockswap::torch_frontend {
 namespace {
@@ -109,17 +109,19 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts) {
     const std::string value = get("ticket", "local rank 0's node-shared weights");
     const auto [status, rest] = split_word(value);
     if (status != "ok") {
-      throw Error(detail::concat("[", label_, "] local rank 0 could not build its offloader, "
+      throw Error(detail::concat("[", label_,
+                                 "] local rank 0 could not build its offloader, "
                                  "so this rank has no weights to share: ",
                                  rest.empty() ? value : rest));
     }
     const auto [their_fingerprint, ticket] = split_word(rest);
     if (their_fingerprint != fingerprint_) {
       fail("its blocks differ from local rank 0's");
-      throw Error(detail::concat(
-          "[", label_, "] this rank's blocks (", fingerprint_, ") differ from local rank 0's (",
-          their_fingerprint, "): every rank of the node must build its offloaders over the same "
-          "model, with the same frozen tensors, in the same order"));
+      throw Error(
+          detail::concat("[", label_, "] this rank's blocks (", fingerprint_,
+                         ") differ from local rank 0's (", their_fingerprint,
+                         "): every rank of the node must build its offloaders over the same "
+                         "model, with the same frozen tensors, in the same order"));
     }
     try {
       memory_ = std::make_shared<NodeMemory>(NodeMemory::open(NodeMemoryTicket::parse(ticket)));
@@ -143,8 +145,8 @@ std::string NodeShare::get(const std::string& name, const std::string& waiting_f
     return sharing_.get(key(name));
   } catch (const std::exception& e) {
     throw Error(detail::concat("[", label_, "] local rank ", sharing_.local_rank, " of ",
-                               sharing_.local_world_size, " waited for ", waiting_for,
-                               " in vain (", e.what(),
+                               sharing_.local_world_size, " waited for ", waiting_for, " in vain (",
+                               e.what(),
                                "): every rank of the node must build the same offloaders, and "
                                "a rank that died cannot"));
   }

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
+#include "block_layout.hpp"
 #include "blockswap/core/backend.hpp"
 #include "blockswap/core/node_memory.hpp"
 #include "blockswap/torch.hpp"
-#include "block_layout.hpp"
 
 namespace blockswap::torch_frontend {
 

@@ -18,8 +18,8 @@ void Options::check(const std::string& label, int64_t blocks) const {
   try {
     if (blocks_to_swap != -1) {
       Schedule::check(blocks, blocks_to_swap, mode);
-      Schedule::check(ScheduleOptions{blocks, blocks_to_swap, Mode::forward_only, rotating_slots,
-                                      algorithm});
+      Schedule::check(
+          ScheduleOptions{blocks, blocks_to_swap, Mode::forward_only, rotating_slots, algorithm});
     }
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(at + e.what());
@@ -32,16 +32,15 @@ void Options::check(const std::string& label, int64_t blocks) const {
                              "a budget (DeviceOptions::budget_bytes)");
   }
   if (shared_device) {
-    BLOCKSWAP_CHECK_ARGUMENT(device == c10::Device(c10::kCPU) ||
-                                 device.is_cuda() == shared_device->is_cuda(),
-                             at, "Options::device is ", device.str(),
-                             " but Options::shared_device is ", shared_device->name(),
-                             ": leave Options::device at its default when sharing a device");
-    BLOCKSWAP_CHECK_ARGUMENT(device_budget_bytes == 0 && emulated_link_gbps == 0 &&
-                                 emulated_capacity_bytes == 0,
-                             at, "with Options::shared_device, the budget, link and capacity "
-                                 "are the device's: set them in DeviceOptions when opening it, "
-                                 "not in Options");
+    BLOCKSWAP_CHECK_ARGUMENT(
+        device == c10::Device(c10::kCPU) || device.is_cuda() == shared_device->is_cuda(), at,
+        "Options::device is ", device.str(), " but Options::shared_device is ",
+        shared_device->name(), ": leave Options::device at its default when sharing a device");
+    BLOCKSWAP_CHECK_ARGUMENT(
+        device_budget_bytes == 0 && emulated_link_gbps == 0 && emulated_capacity_bytes == 0, at,
+        "with Options::shared_device, the budget, link and capacity "
+        "are the device's: set them in DeviceOptions when opening it, "
+        "not in Options");
   }
   BLOCKSWAP_CHECK_ARGUMENT(std::isfinite(emulated_link_gbps) && emulated_link_gbps >= 0, at,
                            "emulated_link_gbps is ", emulated_link_gbps,
@@ -57,20 +56,22 @@ void Options::check(const std::string& label, int64_t blocks) const {
                            "; it must be finite and >= 0 (0: no clipping)");
   if (std::holds_alternative<std::monostate>(optimizer)) {
     BLOCKSWAP_CHECK_ARGUMENT(gradient_accumulation_steps == 1 && max_grad_norm_per_parameter == 0,
-                             at, "gradient_accumulation_steps and max_grad_norm_per_parameter "
-                                 "are for the fused step: set Options::optimizer too (Python: "
-                                 "pass optimizer= too), or leave them at 1 and 0");
+                             at,
+                             "gradient_accumulation_steps and max_grad_norm_per_parameter "
+                             "are for the fused step: set Options::optimizer too (Python: "
+                             "pass optimizer= too), or leave them at 1 and 0");
     return;
   }
   torch_frontend::check_optimizer(label, optimizer);
   BLOCKSWAP_CHECK_ARGUMENT(supports_backward, at,
                            "Options::optimizer steps parameters during backward, which needs "
                            "supports_backward = true");
-  BLOCKSWAP_CHECK_ARGUMENT(!node_sharing, at,
-                           "Options::optimizer trains the blocks' weights in their host copy, "
-                           "which Options::node_sharing (Python: process_group) shares with the "
-                           "node's other ranks read-only: with node sharing, train adapters (LoRA) and leave "
-                           "the optimizer unset");
+  BLOCKSWAP_CHECK_ARGUMENT(
+      !node_sharing, at,
+      "Options::optimizer trains the blocks' weights in their host copy, "
+      "which Options::node_sharing (Python: process_group) shares with the "
+      "node's other ranks read-only: with node sharing, train adapters (LoRA) and leave "
+      "the optimizer unset");
 }
 
 } // namespace blockswap

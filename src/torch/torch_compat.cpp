@@ -50,8 +50,11 @@ CUstream_st* current_cuda_stream(int device) {
   // from 2.11 on).
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
 #else
-  throw Error(detail::concat("cuda:", device, ": this blockswap was built against a torch "
-                             "without CUDA (torch ", TORCH_VERSION, "); rebuild it against a "
+  throw Error(detail::concat("cuda:", device,
+                             ": this blockswap was built against a torch "
+                             "without CUDA (torch ",
+                             TORCH_VERSION,
+                             "); rebuild it against a "
                              "CUDA build of torch"));
 #endif
 }

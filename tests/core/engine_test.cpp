@@ -7,8 +7,8 @@
 #include <cstring>
 #include <functional>
 
-#include "blockswap/device/emulated.hpp"
 #include "blockswap/core/error.hpp"
+#include "blockswap/device/emulated.hpp"
 
 namespace blockswap {
 namespace {
@@ -203,7 +203,8 @@ TEST(Engine, BackwardInAnyOrderFindsEveryBlockInItsSlot) {
   for (int64_t k : {1, 3, 6}) {
     for (int64_t last : {0, 2, 5, 7}) {
       const FakeModel model = uniform(8, 1024);
-      Engine engine(slow_device(8), model.bytes(), {.blocks_to_swap = k, .supports_backward = true});
+      Engine engine(slow_device(8), model.bytes(),
+                    {.blocks_to_swap = k, .supports_backward = true});
       model.fill(engine);
       engine.prepare();
       const Graph first = forward_recording(engine, model);
@@ -583,7 +584,7 @@ void expect_failed_write_back_keeps_the_old_values(
     EXPECT_NE(what.find(message), std::string::npos) << what;
     EXPECT_NE(what.find("block(s) 0"), std::string::npos) << what;
   }
-  t.engine.synchronize(); // nothing left to fail
+  t.engine.synchronize();                   // nothing left to fail
   EXPECT_EQ(t.host_values(), t.old_values); // all old, no byte of the new values
   // Still usable: the next pass computes with the host copy's values.
   for (int pass = 0; pass < 2; ++pass) {

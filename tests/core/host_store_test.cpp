@@ -13,7 +13,9 @@
 namespace blockswap {
 namespace {
 
-std::shared_ptr<Backend> device() { return std::make_shared<EmulatedDevice>(); }
+std::shared_ptr<Backend> device() {
+  return std::make_shared<EmulatedDevice>();
+}
 
 void fill(const HostRegion& region, std::size_t bytes, unsigned char value) {
   std::memset(region.data(), value, bytes);
@@ -97,18 +99,17 @@ TEST(HostStore, CallersMemoryIsUsedInPlaceAndMistakesNameTheBlock) {
     EXPECT_EQ(store.trainable_bytes(b), 0u);
   }
 
-  const auto refused = [&](const std::vector<std::size_t>& bytes,
-                           const std::vector<std::size_t>& trainable,
-                           const std::vector<std::shared_ptr<Buffer>>& given,
-                           const std::string& words) {
-    try {
-      HostStore bad(device(), bytes, trainable, given, "blocks");
-      ADD_FAILURE() << "accepted: " << words;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("[blocks]"), std::string::npos) << e.what();
-    }
-  };
+  const auto refused =
+      [&](const std::vector<std::size_t>& bytes, const std::vector<std::size_t>& trainable,
+          const std::vector<std::shared_ptr<Buffer>>& given, const std::string& words) {
+        try {
+          HostStore bad(device(), bytes, trainable, given, "blocks");
+          ADD_FAILURE() << "accepted: " << words;
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+          EXPECT_NE(std::string(e.what()).find("[blocks]"), std::string::npos) << e.what();
+        }
+      };
   refused({100, 128}, {}, memory, "3 entries for 2 blocks");
   refused({100, 129, 64}, {}, memory, "block 1 holds fewer than its 129 bytes");
   refused({100, 128, 64}, {0, 8, 0}, memory, "block 1 has trainable bytes");

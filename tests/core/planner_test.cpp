@@ -94,8 +94,8 @@ TEST(Planner, TwoListsAreExact) {
         const SwapPlan p = plan_for(lists, ks, mode);
         ASSERT_LE(p.device_bytes, budget);
         ASSERT_GE(p.moved_bytes, plan.moved_bytes);
-        holds_best = holds_best || (p.moved_bytes == plan.moved_bytes &&
-                                    p.device_bytes == plan.device_bytes);
+        holds_best = holds_best ||
+                     (p.moved_bytes == plan.moved_bytes && p.device_bytes == plan.device_bytes);
       }
       ASSERT_TRUE(holds_best) << "trial " << trial;
     }
@@ -154,8 +154,8 @@ TEST(Planner, TwelveGroupsOfTwelveBlocksPlanInUnderASecond) {
   for (int g = 0; g < 12; ++g) lists.emplace_back(12, std::size_t{100'000'000} + g * 7'000'000);
   for (Mode mode : {Mode::forward_only, Mode::training}) {
     const std::size_t smallest = smallest_budget(lists, mode);
-    for (std::size_t extra : {std::size_t{0}, std::size_t{3'000'000'000},
-                              std::size_t{9'000'000'000}}) {
+    for (std::size_t extra :
+         {std::size_t{0}, std::size_t{3'000'000'000}, std::size_t{9'000'000'000}}) {
       const auto start = std::chrono::steady_clock::now();
       const SwapPlan plan = plan_swaps(lists, smallest + extra, mode);
       const double seconds =

@@ -95,8 +95,7 @@ TEST(Simulator, TwoListsShareTheLinkAndTheComputeStream) {
   const Simulation both = simulate(lists, kUnitLink);
   const Simulation alone_a = simulate(a, ta, kUnitLink), alone_b = simulate(b, tb, kUnitLink);
   EXPECT_DOUBLE_EQ(both.compute_seconds, alone_a.compute_seconds + alone_b.compute_seconds);
-  EXPECT_DOUBLE_EQ(both.link_busy_seconds,
-                   alone_a.link_busy_seconds + alone_b.link_busy_seconds);
+  EXPECT_DOUBLE_EQ(both.link_busy_seconds, alone_a.link_busy_seconds + alone_b.link_busy_seconds);
   EXPECT_GE(both.step_seconds, std::max(alone_a.step_seconds, alone_b.step_seconds));
   EXPECT_GE(both.step_seconds, step_bound(lists, kUnitLink) - 1e-9);
   ASSERT_EQ(both.lists.size(), 2u);
@@ -116,8 +115,7 @@ TEST(Simulator, NeverBeatsTheBound) {
             const LinkModel link{1000.0 / ratio, 0.01};
             const double bound = step_bound(s, t, link);
             const Simulation r = simulate(s, t, link);
-            ASSERT_GE(r.step_seconds, bound * (1 - 1e-9))
-                << s.describe() << " ratio " << ratio;
+            ASSERT_GE(r.step_seconds, bound * (1 - 1e-9)) << s.describe() << " ratio " << ratio;
             ASSERT_GE(bound, r.compute_seconds * (1 - 1e-9));
             // A step is its computations and the waits before them: nothing after.
             ASSERT_NEAR(r.step_seconds, r.compute_seconds + r.stall_seconds, 1e-9)
@@ -165,8 +163,8 @@ TEST(Simulator, NeverBeatsTheBoundWithUnevenBlocks) {
     const LinkModel link{std::uniform_real_distribution<double>(300, 3000)(rng), 0.05};
     const double bound = step_bound(simulated, link);
     const Simulation r = simulate(simulated, link);
-    ASSERT_GE(r.step_seconds, bound * (1 - 1e-9)) << "trial " << trial << ": "
-                                                   << schedules[0].describe();
+    ASSERT_GE(r.step_seconds, bound * (1 - 1e-9))
+        << "trial " << trial << ": " << schedules[0].describe();
   }
 }
 
@@ -192,8 +190,8 @@ TEST(Simulator, BestRotatingSlotsIsTheFastest) {
     const int64_t best = best_rotating_slots(k, t, kUnitLink);
     ASSERT_GE(best, 1);
     ASSERT_LE(best, 24 - k);
-    const double fastest = simulate(Schedule({24, k, Mode::forward_only, best}), t, kUnitLink)
-                               .step_seconds;
+    const double fastest =
+        simulate(Schedule({24, k, Mode::forward_only, best}), t, kUnitLink).step_seconds;
     for (int64_t r = 1; r <= 24 - k; ++r) {
       EXPECT_LE(fastest,
                 simulate(Schedule({24, k, Mode::forward_only, r}), t, kUnitLink).step_seconds +
@@ -210,9 +208,9 @@ TEST(Simulator, RejectsTimingThatDoesNotFit) {
   negative.forward_seconds[2] = -1;
   EXPECT_THROW(simulate(s, negative, kUnitLink), Error);
   EXPECT_THROW(simulate(s, uniform_timing(4, kC, kS), LinkModel{0}), Error);
-  EXPECT_THROW(simulate(s, uniform_timing(4, std::numeric_limits<double>::infinity(), kS),
-                        kUnitLink),
-               Error);
+  EXPECT_THROW(
+      simulate(s, uniform_timing(4, std::numeric_limits<double>::infinity(), kS), kUnitLink),
+      Error);
   EXPECT_THROW(simulate(s, uniform_timing(4, kC, kS), LinkModel{1000, std::nan("")}), Error);
   EXPECT_THROW(step_bound(s, uniform_timing(4, kC, kS), LinkModel{-5}), Error);
 }

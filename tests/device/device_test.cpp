@@ -53,9 +53,10 @@ TEST(Device, TheBudgetBindsEveryAttachedBackendTogether) {
   Buffer b1 = b->allocate_device(1500);
   EXPECT_EQ(device->available_bytes(), 500u);
   const std::string e = error_of([&] { b->allocate_device(600); });
-  EXPECT_NE(e.find("[single_blocks] emulated: a slot of 600 bytes does not fit the device budget "
-                   "of 3000 bytes; held now: 2500 bytes (double_blocks: 1000, single_blocks: 1500)"),
-            std::string::npos)
+  EXPECT_NE(
+      e.find("[single_blocks] emulated: a slot of 600 bytes does not fit the device budget "
+             "of 3000 bytes; held now: 2500 bytes (double_blocks: 1000, single_blocks: 1500)"),
+      std::string::npos)
       << e;
   EXPECT_EQ(a->memory().device_bytes, 1000u);
   EXPECT_EQ(b->memory().device_bytes, 1500u);
@@ -126,8 +127,7 @@ TEST(Device, CopiesOfEveryAttachedBackendFormOneQueue) {
 TEST(Device, TwoEnginesShareOneDevice) {
   auto device = Device::open("emulated", {.budget_bytes = 5 * 256});
   Engine first(device->attach("first"), std::vector<std::size_t>(4, 256), {.blocks_to_swap = 2});
-  Engine second(device->attach("second"), std::vector<std::size_t>(5, 200),
-                {.blocks_to_swap = 2});
+  Engine second(device->attach("second"), std::vector<std::size_t>(5, 200), {.blocks_to_swap = 2});
   EXPECT_EQ(device->memory().device_bytes, 5u * 256);
   for (Engine* engine : {&first, &second}) {
     for (int64_t b = 0; b < engine->blocks(); ++b) {

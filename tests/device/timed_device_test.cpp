@@ -5,9 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <random>
-#include <cmath>
 #include <thread>
 
 #include <time.h>
@@ -49,8 +49,7 @@ TEST(TimedDevice, CopiesTakeLatencyPlusBytesOverBandwidth) {
   EXPECT_TRUE(copies[0].to_device);
   EXPECT_FALSE(copies[1].to_device);
   EXPECT_EQ(copies[1].tag, 8);
-  EXPECT_NEAR(std::chrono::duration<double>(copies[0].end - copies[0].start).count(), 0.501,
-              1e-6);
+  EXPECT_NEAR(std::chrono::duration<double>(copies[0].end - copies[0].start).count(), 0.501, 1e-6);
 }
 
 TEST(TimedDevice, EventsOrderTheStreams) {
@@ -172,14 +171,13 @@ TEST(TimedDevice, EngineStallIsMeasuredOnTheDevice) {
   EXPECT_NEAR(step.step_seconds, 8.0, kTolerance);
   EXPECT_NEAR(step.stall_seconds, 4.0, kTolerance);
   engine.synchronize();
-  EXPECT_NEAR(engine.stats().stall_seconds, 4.0 * (2 * kPassesPerChunk) - 1.0,
-              kTolerance * 8);
+  EXPECT_NEAR(engine.stats().stall_seconds, 4.0 * (2 * kPassesPerChunk) - 1.0, kTolerance * 8);
 }
 
 // The real engine on the timed device takes the time the simulator predicts, within 2 %, for
 // every N in 1..48, every K, both modes, blockswap and the seed replay.
 TEST(TimedDevice, AgreesWithTheSimulatorForEveryShape) {
-  constexpr double kForward = 0.05;        // seconds of device time: the host's work is noise
+  constexpr double kForward = 0.05;          // seconds of device time: the host's work is noise
   constexpr std::size_t kBytes = 50'000'000; // at 1 GB/s, one block's copy is its forward
   for (double ratio : {1.0}) {
     const LinkModel link{1e9 / ratio, 1e-4};

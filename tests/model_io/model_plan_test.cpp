@@ -52,10 +52,9 @@ TEST(GroupBlocks, FindsEachGroupAndTheRest) {
 
 ModelLayout two_groups() {
   // 10 blocks of 1 MiB and 20 of 0.5 MiB, 3 MiB outside them.
-  ModelLayout layout{
-      3 << 20,
-      {{"big", std::vector<uint64_t>(10, 1 << 20), {}},
-       {"small", std::vector<uint64_t>(20, 1 << 19), {}}}};
+  ModelLayout layout{3 << 20,
+                     {{"big", std::vector<uint64_t>(10, 1 << 20), {}},
+                      {"small", std::vector<uint64_t>(20, 1 << 19), {}}}};
   return layout;
 }
 

@@ -48,8 +48,8 @@ struct Started {
 Started start_tool(const std::string& args, const std::string& environment = "",
                    const std::string& name = "stderr") {
   Started started{nullptr, scratch() / (name + ".txt")};
-  const std::string command = environment + " " + std::string(BLOCKSWAP_TOOL) + " " + args +
-                              " 2>" + started.err.string();
+  const std::string command =
+      environment + " " + std::string(BLOCKSWAP_TOOL) + " " + args + " 2>" + started.err.string();
   started.pipe = popen(command.c_str(), "r");
   return started;
 }
@@ -318,8 +318,8 @@ TEST(Plan, TwelveGroupsPlanInUnderASecond) {
   write_sparse_model(model, tensors, "BF16", 2);
   for (const std::string mode : {"train", "infer"}) {
     const auto start = std::chrono::steady_clock::now();
-    const Result r = run_tool("plan " + model.string() + " --budget 300MiB --mode " + mode +
-                              " --json");
+    const Result r =
+        run_tool("plan " + model.string() + " --budget 300MiB --mode " + mode + " --json");
     const double seconds = seconds_since(start) - startup_seconds();
     ASSERT_EQ(r.exit_code, 0) << r.err;
     EXPECT_LT(seconds, 1.0);
@@ -598,7 +598,8 @@ TEST(Arguments, BadArgumentsAreOneLineErrors) {
       run_tool("run --blocks 4 --swap 4 --hidden 64 --heads 2"),
       {"--swap 4 is out of range for --blocks 4 in infer mode", "expected 0 <= --swap <= 3"},
       "K = N");
-  expect_one_line_error(run_tool("run --mode fly"), {"--mode must be infer, train or finetune"}, "mode");
+  expect_one_line_error(run_tool("run --mode fly"), {"--mode must be infer, train or finetune"},
+                        "mode");
   expect_one_line_error(run_tool("run --blocks 4 --hidden 64 --heads 6"),
                         {"--hidden 64 is not divisible by --heads 6"}, "heads");
   expect_one_line_error(run_tool("run --no-such-option"), {"--no-such-option"}, "unknown option");
@@ -976,7 +977,8 @@ TEST(Bench, EmulatedSweepHasEveryModeAndTheBytesOfEach) {
     const json& device = rows["finetune"][k];
     EXPECT_EQ(host["d2h_bytes"].get<uint64_t>(), gradients) << k;
     EXPECT_LT(host["h2d_bytes"].get<uint64_t>(), device["h2d_bytes"].get<uint64_t>()) << k;
-    EXPECT_LT(host["peak_device_bytes"].get<uint64_t>(), device["peak_device_bytes"].get<uint64_t>())
+    EXPECT_LT(host["peak_device_bytes"].get<uint64_t>(),
+              device["peak_device_bytes"].get<uint64_t>())
         << k;
   }
   EXPECT_TRUE(out["emulated"]["summary"]["peak_device_bytes_as_planned"].get<bool>());

@@ -82,21 +82,23 @@ void prepare(ModelOffloader* offloader) {
 
 // Case 1: the seed's verbs by hand in training, through the overload that sees the outputs.
 TEST(CallPatterns, VerbsByHandInTrainingAreExactThroughTheOverload) {
-  expect_exact({1, 3, 6}, true, [](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                   ModelOffloader* o) {
-    prepare(o);
-    for (int64_t i = 0; i < kBlocks; ++i) {
-      if (!o) {
-        x = m.blocks[i]->forward(x, c);
-        continue;
-      }
-      o->wait_for_block(i);
-      x = o->submit_move_blocks_forward(i, {m.blocks[i]->forward(x, c)})[0];
-    }
-    const torch::Tensor loss = x.pow(2).mean();
-    loss.backward();
-    return loss;
-  }, "overload");
+  expect_exact(
+      {1, 3, 6}, true,
+      [](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        prepare(o);
+        for (int64_t i = 0; i < kBlocks; ++i) {
+          if (!o) {
+            x = m.blocks[i]->forward(x, c);
+            continue;
+          }
+          o->wait_for_block(i);
+          x = o->submit_move_blocks_forward(i, {m.blocks[i]->forward(x, c)})[0];
+        }
+        const torch::Tensor loss = x.pow(2).mean();
+        loss.backward();
+        return loss;
+      },
+      "overload");
 }
 
 // Case 1: the plain verbs cannot see backward: with grad mode on they raise at the first move.
@@ -134,63 +136,75 @@ TEST(CallPatterns, TrainingThroughAForwardOnlyOffloaderIsExact) {
   };
   expect_exact({1, 3, 7}, false, step, "supports_backward=false");
   // set_forward_only(true) left on after sampling
-  expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                    ModelOffloader* o) {
-    if (o) o->set_forward_only(true);
-    return step(m, x, c, o);
-  }, "set_forward_only(true)");
+  expect_exact(
+      {1, 3, 6}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        if (o) o->set_forward_only(true);
+        return step(m, x, c, o);
+      },
+      "set_forward_only(true)");
 }
 
 // Case 3: a loss on an intermediate block, the later blocks run but not in the graph.
 TEST(CallPatterns, LossOnAnIntermediateBlockIsExact) {
   for (int64_t target : {0, 2, 5}) {
-    expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                      ModelOffloader* o) {
-      prepare(o);
-      const torch::Tensor loss = run_blocks(m, o, x, c)[target].pow(2).mean();
-      loss.backward();
-      return loss;
-    }, "loss on block " + std::to_string(target));
+    expect_exact(
+        {1, 3, 6}, true,
+        [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+          prepare(o);
+          const torch::Tensor loss = run_blocks(m, o, x, c)[target].pow(2).mean();
+          loss.backward();
+          return loss;
+        },
+        "loss on block " + std::to_string(target));
   }
   // An intermediate output in the loss and also feeding the later blocks.
-  expect_exact({3}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                              ModelOffloader* o) {
-    prepare(o);
-    const auto outs = run_blocks(m, o, x, c);
-    const torch::Tensor loss = outs[2].pow(2).mean() + outs.back().pow(2).mean();
-    loss.backward();
-    return loss;
-  }, "loss on blocks 2 and 7");
+  expect_exact(
+      {3}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        prepare(o);
+        const auto outs = run_blocks(m, o, x, c);
+        const torch::Tensor loss = outs[2].pow(2).mean() + outs.back().pow(2).mean();
+        loss.backward();
+        return loss;
+      },
+      "loss on blocks 2 and 7");
   // Only the first blocks run at all.
-  expect_exact({3}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                              ModelOffloader* o) {
-    prepare(o);
-    const torch::Tensor loss = run_blocks(m, o, x, c, 5).back().pow(2).mean();
-    loss.backward();
-    return loss;
-  }, "five blocks of eight");
+  expect_exact(
+      {3}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        prepare(o);
+        const torch::Tensor loss = run_blocks(m, o, x, c, 5).back().pow(2).mean();
+        loss.backward();
+        return loss;
+      },
+      "five blocks of eight");
 }
 
 // Two forward passes, then one backward through both; and backward twice.
 TEST(CallPatterns, TwoForwardsThenOneBackwardAndBackwardTwiceAreExact) {
-  expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                    ModelOffloader* o) {
-    prepare(o);
-    const torch::Tensor first = run_blocks(m, o, x, c).back().pow(2).mean();
-    prepare(o);
-    const torch::Tensor second = run_blocks(m, o, x * 0.5, c).back().abs().mean();
-    const torch::Tensor loss = first + second;
-    loss.backward();
-    return loss;
-  }, "two forwards");
-  expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                    ModelOffloader* o) {
-    prepare(o);
-    const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
-    loss.backward({}, /*retain_graph=*/true);
-    loss.backward();
-    return loss;
-  }, "backward twice");
+  expect_exact(
+      {1, 3, 6}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        prepare(o);
+        const torch::Tensor first = run_blocks(m, o, x, c).back().pow(2).mean();
+        prepare(o);
+        const torch::Tensor second = run_blocks(m, o, x * 0.5, c).back().abs().mean();
+        const torch::Tensor loss = first + second;
+        loss.backward();
+        return loss;
+      },
+      "two forwards");
+  expect_exact(
+      {1, 3, 6}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        prepare(o);
+        const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
+        loss.backward({}, /*retain_graph=*/true);
+        loss.backward();
+        return loss;
+      },
+      "backward twice");
 }
 
 // Case 6: reentrant checkpointing with the option forgotten is named in the error.
@@ -233,50 +247,56 @@ TEST(CallPatterns, ModeChangesBetweenForwardAndBackwardAreExact) {
       {"prepare", [](ModelOffloader& o) { o.prepare_block_devices_before_forward(); }},
   };
   for (const auto& [name, change] : changes) {
-    expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                      ModelOffloader* o) {
-      if (o) {
-        o->enable_block_swap();
-        o->set_forward_only(false);
-      }
-      prepare(o);
-      const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
-      if (o) change(*o);
-      loss.backward();
-      return loss;
-    }, name);
+    expect_exact(
+        {1, 3, 6}, true,
+        [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+          if (o) {
+            o->enable_block_swap();
+            o->set_forward_only(false);
+          }
+          prepare(o);
+          const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
+          if (o) change(*o);
+          loss.backward();
+          return loss;
+        },
+        name);
   }
   // Forward with swapping disabled, backward after enabling it again.
-  expect_exact({3}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                              ModelOffloader* o) {
-    if (o) o->disable_block_swap();
-    prepare(o);
-    const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
-    if (o) o->enable_block_swap();
-    prepare(o);
-    loss.backward();
-    return loss;
-  }, "forward disabled, backward enabled");
+  expect_exact(
+      {3}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        if (o) o->disable_block_swap();
+        prepare(o);
+        const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
+        if (o) o->enable_block_swap();
+        prepare(o);
+        loss.backward();
+        return loss;
+      },
+      "forward disabled, backward enabled");
 }
 
 // An optional input left undefined, in training and inference.
 TEST(CallPatterns, UndefinedOptionalInputsWork) {
   for (bool grad : {true, false}) {
-    expect_exact({3}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                ModelOffloader* o) {
-      torch::AutoGradMode mode(grad);
-      prepare(o);
-      for (int64_t i = 0; i < kBlocks; ++i) {
-        TestBlock block = m.blocks[i];
-        auto fn = [block, c](const variable_list& in) mutable {
-          return variable_list{block->forward(in[0], in[1].defined() ? in[1] : c)};
-        };
-        x = o ? o->run_block(i, {x, torch::Tensor()}, fn)[0] : fn({x, torch::Tensor()})[0];
-      }
-      const torch::Tensor loss = x.pow(2).mean();
-      if (grad) loss.backward();
-      return loss;
-    }, grad ? "training" : "inference", 1);
+    expect_exact(
+        {3}, true,
+        [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+          torch::AutoGradMode mode(grad);
+          prepare(o);
+          for (int64_t i = 0; i < kBlocks; ++i) {
+            TestBlock block = m.blocks[i];
+            auto fn = [block, c](const variable_list& in) mutable {
+              return variable_list{block->forward(in[0], in[1].defined() ? in[1] : c)};
+            };
+            x = o ? o->run_block(i, {x, torch::Tensor()}, fn)[0] : fn({x, torch::Tensor()})[0];
+          }
+          const torch::Tensor loss = x.pow(2).mean();
+          if (grad) loss.backward();
+          return loss;
+        },
+        grad ? "training" : "inference", 1);
   }
 }
 
@@ -387,8 +407,8 @@ TEST(CallPatterns, BuffersUpdatedInForwardAreKept) {
             })[0];
           }
         }
-        const std::string what = std::string(training ? "training" : "inference") +
-                                 " K=" + std::to_string(k);
+        const std::string what =
+            std::string(training ? "training" : "inference") + " K=" + std::to_string(k);
         expect_bitwise(out, expected, what + " output");
         for (int64_t i = 0; i < kBlocks; ++i) { // while swapped: their true values
           expect_bitwise(blocks[i]->calls, reference[i]->calls, what + " calls (swapped)");
@@ -498,20 +518,22 @@ TEST(CallPatterns, AFailedConstructorChangesNothing) {
 // Note [inference mode] in block_binder.cpp: a sampling pass under InferenceMode in the middle
 // of training leaves the blocks' tensors usable by autograd afterwards.
 TEST(CallPatterns, InferenceModePassesInTheMiddleOfTrainingAreExact) {
-  expect_exact({1, 3, 6}, true, [&](Model& m, torch::Tensor x, const torch::Tensor& c,
-                                    ModelOffloader* o) {
-    {
-      c10::InferenceMode inference;
-      if (o) o->set_forward_only(true);
-      prepare(o);
-      run_blocks(m, o, x.detach(), c);
-      if (o) o->set_forward_only(false);
-    }
-    prepare(o);
-    const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
-    loss.backward();
-    return loss;
-  }, "InferenceMode sampling");
+  expect_exact(
+      {1, 3, 6}, true,
+      [&](Model& m, torch::Tensor x, const torch::Tensor& c, ModelOffloader* o) {
+        {
+          c10::InferenceMode inference;
+          if (o) o->set_forward_only(true);
+          prepare(o);
+          run_blocks(m, o, x.detach(), c);
+          if (o) o->set_forward_only(false);
+        }
+        prepare(o);
+        const torch::Tensor loss = run_blocks(m, o, x, c).back().pow(2).mean();
+        loss.backward();
+        return loss;
+      },
+      "InferenceMode sampling");
 }
 
 // LibTorch's batch_norm updates running statistics without bumping their version counter:

@@ -212,7 +212,8 @@ TEST(FineTune, SgdWithMomentumIsBitwiseLibTorchsSgdForEveryK) {
 TEST(FineTune, TheStepOnTheHostIsBitwiseLibTorchsForEveryK) {
   // On a GPU the host step is the CPU's arithmetic, bitwise LibTorch's on the CPU (this test on
   // the emulated device), not the GPU's: measured 1 ulp apart on an H200 (docs/performance.md).
-  if (kDevice.is_cuda()) GTEST_SKIP() << "the CPU steps: bitwise the CPU's optimizer, not the GPU's";
+  if (kDevice.is_cuda())
+    GTEST_SKIP() << "the CPU steps: bitwise the CPU's optimizer, not the GPU's";
   FusedAdamW adamw;
   adamw.lr = 0.01;
   adamw.weight_decay = 0.1;
@@ -279,10 +280,10 @@ TEST(FineTune, TheAutomaticChoiceOnTheEmulatedDeviceIsTheStepOnTheHost) {
   EXPECT_EQ(automatic.peak_device_bytes, host.peak_device_bytes);
   EXPECT_GT(automatic.d2h_bytes, 0u); // gradients go out
   Model model = fine_tune_model();
-  EXPECT_EQ(ModelOffloader("blocks", model.modules(),
-                           fine_tune_options(2, adamw, 1, StepOn::automatic))
-                .step_on(),
-            StepOn::host);
+  EXPECT_EQ(
+      ModelOffloader("blocks", model.modules(), fine_tune_options(2, adamw, 1, StepOn::automatic))
+          .step_on(),
+      StepOn::host);
   EXPECT_EQ(ModelOffloader("blocks", model.modules(), fine_tune_options(2, adamw, 1)).step_on(),
             StepOn::device);
 }
@@ -309,9 +310,8 @@ TEST(FineTune, ReentrantCheckpointingIsExact) {
           offloader.prepare_block_devices_before_forward();
           torch::Tensor h = batches[pass].x;
           for (int64_t i = 0; i < kBlocks; ++i) {
-            h = i % 2 == 1
-                    ? Checkpoint::apply(h, batches[pass].context, &offloader, i, &model)[0]
-                    : offloader.run_block(i, {h, batches[pass].context}, model.fn(i))[0];
+            h = i % 2 == 1 ? Checkpoint::apply(h, batches[pass].context, &offloader, i, &model)[0]
+                           : offloader.run_block(i, {h, batches[pass].context}, model.fn(i))[0];
           }
           const torch::Tensor loss = loss_of(h);
           loss.backward();
@@ -450,9 +450,8 @@ TEST(FineTune, ParametersReadTheirTrueValuesBetweenSteps) {
         const std::string param = name.substr(0, name.rfind('.'));
         const std::string moment = name.substr(name.rfind('.') + 1);
         const torch::Tensor p = model.blocks[b]->named_parameters()[param];
-        const auto& ref_state =
-            static_cast<torch::optim::AdamWParamState&>(*optimizer.state().at(
-                reference.blocks[b]->named_parameters()[param].unsafeGetTensorImpl()));
+        const auto& ref_state = static_cast<torch::optim::AdamWParamState&>(*optimizer.state().at(
+            reference.blocks[b]->named_parameters()[param].unsafeGetTensorImpl()));
         expect_bitwise(moment == "exp_avg" ? ref_state.exp_avg() : ref_state.exp_avg_sq(), tensor,
                        "block " + std::to_string(b) + " " + name);
         EXPECT_EQ(tensor.sizes(), p.sizes());

@@ -224,8 +224,8 @@ TEST(ModelOffloader, NonResidentTensorsReadTheirTrueValues) {
     for (int64_t b = 0; b < 8; ++b) {
       const auto expected = reference.blocks[b]->named_parameters();
       for (const auto& item : model.blocks[b]->named_parameters()) {
-        expect_bitwise(item.value(), expected[item.key()], "block " + std::to_string(b) + " " +
-                                                               item.key());
+        expect_bitwise(item.value(), expected[item.key()],
+                       "block " + std::to_string(b) + " " + item.key());
       }
       expect_bitwise(model.blocks[b]->scale, reference.blocks[b]->scale, "scale");
     }

@@ -97,9 +97,8 @@ void scramble_frozen(Model& model) {
 TEST(NodeSharing, EveryRankTrainsExactlyOnLocalRankZerosWeights) {
   constexpr int64_t kBlocks = 6, kRanks = 3;
   TrainingRun reference(kBlocks);
-  reference.run(3, [&](torch::Tensor x, const torch::Tensor& c) {
-    return reference.model.forward(x, c);
-  });
+  reference.run(
+      3, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
   for (int64_t k : {0, 2, 4}) {
     TestStore store;
     std::vector<std::unique_ptr<TrainingRun>> runs;
@@ -118,8 +117,8 @@ TEST(NodeSharing, EveryRankTrainsExactlyOnLocalRankZerosWeights) {
     });
     for (int64_t r = 0; r < kRanks; ++r) {
       ASSERT_EQ(errors[r], "") << "rank " << r;
-      expect_same_training(reference, *runs[r], "K=" + std::to_string(k) + " rank " +
-                                                    std::to_string(r));
+      expect_same_training(reference, *runs[r],
+                           "K=" + std::to_string(k) + " rank " + std::to_string(r));
       // After the offloader, the frozen weights are ordinary host tensors with rank 0's values.
       expect_bitwise(runs[r]->model.blocks[1]->fc2->weight, reference.model.blocks[1]->fc2->weight,
                      "frozen weight after close, rank " + std::to_string(r));
@@ -180,9 +179,11 @@ TEST(NodeSharing, ARankThatNeverComesIsAnErrorAfterTheStoresTimeout) {
   TestStore store(std::chrono::milliseconds(300));
   Model model(6), reference(6);
   const Inputs in;
-  expect_error([&] { ModelOffloader offloader("block", model.modules(),
-                                              shared_options(2, store.rank(0, 2))); },
-               "local rank 1 to map them in vain");
+  expect_error(
+      [&] {
+        ModelOffloader offloader("block", model.modules(), shared_options(2, store.rank(0, 2)));
+      },
+      "local rank 1 to map them in vain");
   torch::NoGradGuard no_grad;
   // The weights are intact, in host tensors (on a GPU, no longer on the device).
   for (std::size_t b = 0; b < model.blocks.size(); ++b) {
@@ -195,9 +196,11 @@ TEST(NodeSharing, ARankThatNeverComesIsAnErrorAfterTheStoresTimeout) {
   // A rank whose local rank 0 never comes.
   Model lonely(6);
   TestStore empty(std::chrono::milliseconds(300));
-  expect_error([&] { ModelOffloader offloader("block", lonely.modules(),
-                                              shared_options(2, empty.rank(1, 2))); },
-               "local rank 0's node-shared weights in vain");
+  expect_error(
+      [&] {
+        ModelOffloader offloader("block", lonely.modules(), shared_options(2, empty.rank(1, 2)));
+      },
+      "local rank 0's node-shared weights in vain");
 }
 
 TEST(NodeSharing, FullFineTuningAndBadRanksAreRefused) {
@@ -206,9 +209,11 @@ TEST(NodeSharing, FullFineTuningAndBadRanksAreRefused) {
   Options o = shared_options(2, store.rank(0, 1));
   o.optimizer = FusedSGD{.lr = 0.1};
   expect_error([&] { ModelOffloader offloader("block", model.modules(), o); }, "node_sharing");
-  expect_error([&] { ModelOffloader offloader("block", model.modules(),
-                                              shared_options(2, store.rank(2, 2))); },
-               "local rank 2 of 2");
+  expect_error(
+      [&] {
+        ModelOffloader offloader("block", model.modules(), shared_options(2, store.rank(2, 2)));
+      },
+      "local rank 2 of 2");
 }
 
 // The node's copy never changes: a write into a swapped frozen weight raises at the block's next
@@ -222,10 +227,12 @@ TEST(NodeSharing, AWriteIntoASharedFrozenWeightIsAnError) {
   torch::NoGradGuard no_grad;
   forward_run_block(offloader, model, in.x, in.context);
   model.blocks[3]->fc1->weight.mul_(2); // resident: the write lands in its slot
-  expect_error([&] {
-    offloader.prepare_block_devices_before_forward();
-    forward_run_block(offloader, model, in.x, in.context);
-  }, "shared by every rank");
+  expect_error(
+      [&] {
+        offloader.prepare_block_devices_before_forward();
+        forward_run_block(offloader, model, in.x, in.context);
+      },
+      "shared by every rank");
 }
 
 } // namespace

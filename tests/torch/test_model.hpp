@@ -17,7 +17,6 @@
 namespace blockswap {
 namespace {
 
-
 using torch::autograd::variable_list;
 
 #ifdef BLOCKSWAP_TEST_CUDA
@@ -99,16 +98,16 @@ struct Inputs {
   }
 };
 
-[[maybe_unused]] torch::Tensor forward_run_block(ModelOffloader& offloader, Model& model, torch::Tensor x,
-                                const torch::Tensor& context) {
+[[maybe_unused]] torch::Tensor forward_run_block(ModelOffloader& offloader, Model& model,
+                                                 torch::Tensor x, const torch::Tensor& context) {
   for (int64_t i = 0; i < int64_t(model.blocks.size()); ++i) {
     x = offloader.run_block(i, {x, context}, model.fn(i))[0];
   }
   return x;
 }
 
-[[maybe_unused]] torch::Tensor forward_manual(ModelOffloader& offloader, Model& model, torch::Tensor x,
-                             const torch::Tensor& context) {
+[[maybe_unused]] torch::Tensor forward_manual(ModelOffloader& offloader, Model& model,
+                                              torch::Tensor x, const torch::Tensor& context) {
   for (int64_t i = 0; i < int64_t(model.blocks.size()); ++i) {
     offloader.wait_for_block(i);
     x = model.blocks[i]->forward(x, context);
@@ -117,7 +116,8 @@ struct Inputs {
   return x;
 }
 
-[[maybe_unused]] void expect_bitwise(const torch::Tensor& a, const torch::Tensor& b, const std::string& what) {
+[[maybe_unused]] void expect_bitwise(const torch::Tensor& a, const torch::Tensor& b,
+                                     const std::string& what) {
   ASSERT_TRUE(a.defined() && b.defined()) << what;
   const torch::Tensor x = a.cpu(), y = b.cpu();
   EXPECT_TRUE(torch::equal(x, y)) << what << ": max diff " << (x - y).abs().max().item<double>();
@@ -159,7 +159,8 @@ struct TrainingRun {
   }
 };
 
-[[maybe_unused]] void expect_same_training(const TrainingRun& a, const TrainingRun& b, const std::string& what) {
+[[maybe_unused]] void expect_same_training(const TrainingRun& a, const TrainingRun& b,
+                                           const std::string& what) {
   ASSERT_EQ(a.losses.size(), b.losses.size());
   for (std::size_t s = 0; s < a.losses.size(); ++s) {
     const std::string at = what + " step " + std::to_string(s);

@@ -96,7 +96,8 @@ std::vector<torch::Tensor> train_without_swapping() {
 void expect_same(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b,
                  const std::string& what) {
   ASSERT_EQ(a.size(), b.size());
-  for (std::size_t i = 0; i < a.size(); ++i) expect_bitwise(a[i], b[i], what + " #" + std::to_string(i));
+  for (std::size_t i = 0; i < a.size(); ++i)
+    expect_bitwise(a[i], b[i], what + " #" + std::to_string(i));
 }
 
 // The trace's copy spans, as [start, end] in microseconds.
@@ -113,8 +114,8 @@ std::vector<std::pair<double, double>> copy_spans(const Trace& trace) {
 }
 
 SwapPlan plan_for(const TwoListModel& model, std::size_t budget) {
-  return plan_block_lists({model.doubles.modules(), model.single_modules()}, budget,
-                          Mode::training, kDevice);
+  return plan_block_lists({model.doubles.modules(), model.single_modules()}, budget, Mode::training,
+                          kDevice);
 }
 
 // A budget that forces both lists to swap: their slots at the largest K, plus half a slot.
@@ -225,7 +226,8 @@ TEST(TwoLists, PlanMovesTheFewestBytesOfEveryCombinationThatFits) {
     return static_cast<std::size_t>(2 * k) * (total / list.size());
   };
   const std::size_t all = layout::slot_device_bytes(d, 0) + layout::slot_device_bytes(s, 0);
-  for (std::size_t budget = tight_budget(model); budget <= all; budget += layout::slot_bytes(d) / 2) {
+  for (std::size_t budget = tight_budget(model); budget <= all;
+       budget += layout::slot_bytes(d) / 2) {
     const SwapPlan plan = plan_for(model, budget);
     std::size_t best = SIZE_MAX;
     for (int64_t kd = 0; kd <= kDoubles - 2; ++kd) {
@@ -257,8 +259,7 @@ TEST(TwoLists, AListThatDoesNotFitTheSharedBudgetIsAnErrorAndTheOtherRunsOn) {
   expect_bitwise(model.singles[0]->fc1->weight, before, "single block weights");
   EXPECT_EQ(device->available_bytes(), 0u);
   o.blocks_to_swap = -1; // the planner: no budget left
-  expect_error([&] { ModelOffloader("single_blocks", model.single_modules(), o); },
-               "cannot hold");
+  expect_error([&] { ModelOffloader("single_blocks", model.single_modules(), o); }, "cannot hold");
   const Inputs in;
   torch::NoGradGuard no_grad;
   doubles.prepare_block_devices_before_forward();

@@ -12,11 +12,11 @@
 
 #include "bench_plot.hpp"
 #include "blockswap/core/error.hpp"
-#include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/core/planner.hpp"
+#include "blockswap/model_io/model_plan.hpp"
 #include "commands.hpp"
-#include "progress.hpp"
 #include "emulated_bench.hpp"
+#include "progress.hpp"
 #include "timed_bench.hpp"
 #include "validators.hpp"
 #include "workload.hpp"
@@ -30,16 +30,16 @@ void write_csv(const std::string& path, const std::vector<BenchRow>& rows) {
   file << "device,model,copy_compute_ratio,mode,k,rotating_slots,t_noswap,t_swap,t_seed,t_bound,"
           "h2d_bytes,d2h_bytes,peak_device_bytes\n";
   for (const BenchRow& r : rows) {
-    file << r.device << ',' << r.model << ',' << r.copy_compute_ratio << ',' << r.mode << ','
-         << r.k << ',' << r.rotating_slots << ',' << r.t_noswap << ',' << r.t_swap << ','
-         << r.t_seed << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.d2h_bytes << ','
-         << r.peak_device_bytes
-         << '\n';
+    file << r.device << ',' << r.model << ',' << r.copy_compute_ratio << ',' << r.mode << ',' << r.k
+         << ',' << r.rotating_slots << ',' << r.t_noswap << ',' << r.t_swap << ',' << r.t_seed
+         << ',' << r.t_bound << ',' << r.h2d_bytes << ',' << r.d2h_bytes << ','
+         << r.peak_device_bytes << '\n';
   }
   BLOCKSWAP_CHECK(file.good(), "error while writing '", path, "'");
 }
 
-void write_plot(const std::string& path, const std::vector<BenchRow>& rows, const std::string& title) {
+void write_plot(const std::string& path, const std::vector<BenchRow>& rows,
+                const std::string& title) {
   std::vector<PlotPanel> panels;
   for (const std::string mode : {"infer", "train", "finetune", "finetune-host"}) {
     PlotPanel panel{mode == "infer"      ? "inference (per pass)"
@@ -111,8 +111,8 @@ void print_timed_table(const std::vector<BenchRow>& rows, const TimedBenchOption
               "copy; a block's forward = its copy time / ratio; backward = %.0f x forward\n\n",
               options.link.bytes_per_second / 1e9, options.link.latency_seconds * 1e6,
               options.backward_factor);
-  std::printf("%-9s %5s %-5s %3s %3s %10s %10s %10s %10s %8s %9s\n", "model", "ratio", "mode",
-              "K", "R", "noswap", "blockswap", "seed", "bound T*", "swap/T*", "seed/swap");
+  std::printf("%-9s %5s %-5s %3s %3s %10s %10s %10s %10s %8s %9s\n", "model", "ratio", "mode", "K",
+              "R", "noswap", "blockswap", "seed", "bound T*", "swap/T*", "seed/swap");
   for (const BenchRow& r : rows) {
     if (r.device != "timed") continue;
     std::printf("%-9s %5.2f %-5s %3lld %3lld %10s %10s %10s %10s %8.3f %9.2f\n", r.model.c_str(),

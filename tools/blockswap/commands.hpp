@@ -10,7 +10,7 @@
 namespace blockswap::tool {
 
 struct RunArgs {
-  std::string mode = "infer"; // infer | train | finetune
+  std::string mode = "infer";   // infer | train | finetune
   std::string step_on = "auto"; // finetune: auto | device | host
   int64_t blocks = 8;
   std::optional<int64_t> swap; // none: half the blocks, within the valid range

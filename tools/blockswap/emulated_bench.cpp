@@ -164,12 +164,13 @@ std::vector<BenchRow> emulated_bench(const BenchArgs& args, nlohmann::json& info
       row.h2d_bytes = stats.h2d_bytes / uint64_t(steps);
       row.d2h_bytes = stats.d2h_bytes / uint64_t(steps);
       row.peak_device_bytes = stats.peak_device_bytes;
-      row.planned_device_bytes =
-          layout::slot_device_bytes(on_host ? ft_host_packed : finetune ? ft_packed : packed, k);
+      row.planned_device_bytes = layout::slot_device_bytes(on_host    ? ft_host_packed
+                                                           : finetune ? ft_packed
+                                                                      : packed,
+                                                           k);
       // The link carries the loads and, fine-tuning, the write-backs of changed blocks (or,
       // with the step on the host, the gradients).
-      row.t_bound =
-          std::max(row.t_noswap, double(row.h2d_bytes + row.d2h_bytes) / (gbps * 1e9));
+      row.t_bound = std::max(row.t_noswap, double(row.h2d_bytes + row.d2h_bytes) / (gbps * 1e9));
       rows.push_back(row);
     }
   }

@@ -45,10 +45,11 @@ int main(int argc, char** argv) {
                    "fused into backward)")
       ->capture_default_str();
   run_cmd
-      ->add_option("--step-on", run.step_on,
-                   "finetune: where the fused AdamW step runs, device (the optimizer state "
-                   "swaps with its block), host (gradients copied out, the CPU steps the host "
-                   "copy) or auto (the faster measured: host on the emulated device, device on a GPU)")
+      ->add_option(
+          "--step-on", run.step_on,
+          "finetune: where the fused AdamW step runs, device (the optimizer state "
+          "swaps with its block), host (gradients copied out, the CPU steps the host "
+          "copy) or auto (the faster measured: host on the emulated device, device on a GPU)")
       ->capture_default_str();
   run_cmd->add_option("--blocks", run.blocks, "number of transformer blocks")
       ->check(integer_in<int64_t>(1, 4096))
@@ -119,11 +120,12 @@ int main(int argc, char** argv) {
                    "prediction: host-to-device GB/s (PCIe 4 pinned measures about 25)")
       ->check(number_in(kMinLinkGbps, 1e6))
       ->capture_default_str();
-  CLI::Option* block_ms = plan_cmd
-      ->add_option("--block-ms", plan.block_ms,
-                   "prediction: the forward of the largest block, in ms (others in proportion "
-                   "to their bytes); default: from --tflops and --tokens")
-      ->check(number_in(1e-6, 1e9));
+  CLI::Option* block_ms =
+      plan_cmd
+          ->add_option("--block-ms", plan.block_ms,
+                       "prediction: the forward of the largest block, in ms (others in proportion "
+                       "to their bytes); default: from --tflops and --tokens")
+          ->check(number_in(1e-6, 1e9));
   plan_cmd
       ->add_option("--tflops", plan.tflops,
                    "prediction: the device's sustained TFLOP/s (a block's forward = 2 x its "

@@ -19,7 +19,7 @@ namespace {
 
 struct Prediction {
   double step_seconds = 0, noswap_seconds = 0;
-  std::vector<int64_t> rotating_slots; // per group (inference), 0 in training
+  std::vector<int64_t> rotating_slots;       // per group (inference), 0 in training
   std::vector<double> block_forward_seconds; // per group: its largest block's forward
 };
 
@@ -38,9 +38,9 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
     BlockTiming t;
     for (std::size_t b = 0; b < g.block_bytes.size(); ++b) {
       t.forward_seconds.push_back(
-          args.block_ms > 0 ? args.block_ms * 1e-3 * double(g.block_bytes[b]) / double(largest)
-                            : 2.0 * double(g.block_elements[b]) * double(args.tokens) /
-                                  (args.tflops * 1e12));
+          args.block_ms > 0
+              ? args.block_ms * 1e-3 * double(g.block_bytes[b]) / double(largest)
+              : 2.0 * double(g.block_elements[b]) * double(args.tokens) / (args.tflops * 1e12));
       t.bytes.push_back(g.block_bytes[b]);
     }
     p.block_forward_seconds.push_back(
@@ -80,8 +80,8 @@ int plan_command(const PlanArgs& args) {
   // One or two groups: of the plans that fit, the one the simulator finds fastest (the fewest
   // bytes moved is not always the fastest: a group left with one slot cannot overlap its loads).
   if (layout.groups.size() <= 2) {
-    for (const std::vector<int64_t>& ks : budget_frontier(block_lists(layout), budget, mode,
-                                                          layout.non_block_bytes)) {
+    for (const std::vector<int64_t>& ks :
+         budget_frontier(block_lists(layout), budget, mode, layout.non_block_bytes)) {
       ModelPlan candidate = plan_model(layout, budget, mode, ks);
       Prediction p = predict(candidate, layout, args);
       if (p.step_seconds < prediction.step_seconds * (1 - 1e-9) ||
@@ -97,16 +97,16 @@ int plan_command(const PlanArgs& args) {
   if (args.json) {
     nlohmann::json groups = nlohmann::json::array();
     for (const GroupPlan& g : plan.groups) {
-      groups.push_back({{"name", g.name},
-                        {"blocks", g.blocks},
-                        {"block_bytes", g.block_bytes},
-                        {"total_bytes", g.total_bytes},
-                        {"blocks_to_swap", g.blocks_to_swap},
-                        {"device_bytes", g.device_bytes},
-                        {"moved_bytes", g.moved_bytes},
-                        {"rotating_slots", prediction.rotating_slots[groups.size()]},
-                        {"block_forward_seconds",
-                         prediction.block_forward_seconds[groups.size()]}});
+      groups.push_back(
+          {{"name", g.name},
+           {"blocks", g.blocks},
+           {"block_bytes", g.block_bytes},
+           {"total_bytes", g.total_bytes},
+           {"blocks_to_swap", g.blocks_to_swap},
+           {"device_bytes", g.device_bytes},
+           {"moved_bytes", g.moved_bytes},
+           {"rotating_slots", prediction.rotating_slots[groups.size()]},
+           {"block_forward_seconds", prediction.block_forward_seconds[groups.size()]}});
     }
     nlohmann::json compute = {{"backward_factor", 2.0}};
     if (args.block_ms > 0) {
@@ -152,9 +152,8 @@ int plan_command(const PlanArgs& args) {
               format_bytes(plan.moved_bytes).c_str(), mode == Mode::training ? "step" : "pass");
   std::printf("(activations, gradients and optimizer state need device memory beyond this)\n");
   const std::string compute =
-      args.block_ms > 0
-          ? detail::concat("the largest block's forward ", args.block_ms, " ms")
-          : detail::concat(args.tflops, " TFLOP/s, ", args.tokens, " tokens");
+      args.block_ms > 0 ? detail::concat("the largest block's forward ", args.block_ms, " ms")
+                        : detail::concat(args.tflops, " TFLOP/s, ", args.tokens, " tokens");
   const std::string change = prediction.noswap_seconds > 0
                                  ? detail::concat(overhead >= 0 ? "+" : "", overhead * 100, " %")
                                  : std::string("no compute to compare with");

@@ -105,8 +105,8 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
                                  first_line(e.what())));
     }
   };
-  const auto [baseline, swapped] = run_side_by_side(baseline_model, swapped_model, offloader,
-                                                    input, Work::train, args.steps, all_reduce);
+  const auto [baseline, swapped] = run_side_by_side(baseline_model, swapped_model, offloader, input,
+                                                    Work::train, args.steps, all_reduce);
   // Every rank's adapters against rank 0's.
   double to_rank0 = 0;
   for (const auto& p : swapped_model.lora_parameters()) {
@@ -181,8 +181,8 @@ std::vector<Rank> launch(const RunArgs& args, char** argv, const std::string& di
     std::vector<char*> envp;
     for (auto& e : env) envp.push_back(e.data());
     envp.push_back(nullptr);
-    const int error = posix_spawn(&ranks[r].pid, "/proc/self/exe", nullptr, nullptr, argv,
-                                  envp.data());
+    const int error =
+        posix_spawn(&ranks[r].pid, "/proc/self/exe", nullptr, nullptr, argv, envp.data());
     if (error != 0) {
       for (int s = 0; s < r; ++s) kill(ranks[s].pid, SIGKILL);
       for (int s = 0; s < r; ++s) waitpid(ranks[s].pid, nullptr, 0);
@@ -232,17 +232,15 @@ void print_table(const RunArgs& args, const std::vector<nlohmann::json>& results
               args.link_gbps, args.threads, args.threads == 1 ? "" : "s",
               static_cast<long long>(first["blocks_to_swap"].get<int64_t>()),
               static_cast<long long>(blocks), args.steps);
-  std::printf("%-5s %13s %15s %13s %14s %13s %13s %10s\n", "rank", "without swap",
-              "with blockswap", "host->device", "private host", "shared host", "host (Pss)",
-              "max diff");
+  std::printf("%-5s %13s %15s %13s %14s %13s %13s %10s\n", "rank", "without swap", "with blockswap",
+              "host->device", "private host", "shared host", "host (Pss)", "max diff");
   uint64_t private_sum = 0, proportional_sum = 0;
   for (const auto& r : results) {
     private_sum += r["private_host_bytes"].get<uint64_t>();
     proportional_sum += r["proportional_host_bytes"].get<uint64_t>();
     std::printf("%-5d %13s %15s %13s %14s %13s %13s %10g\n", r["rank"].get<int>(),
                 milliseconds(r["baseline_step_seconds"]).c_str(),
-                milliseconds(r["step_seconds"]).c_str(),
-                format_bytes(r["h2d_bytes"]).c_str(),
+                milliseconds(r["step_seconds"]).c_str(), format_bytes(r["h2d_bytes"]).c_str(),
                 format_bytes(r["private_host_bytes"]).c_str(),
                 format_bytes(r["shared_host_bytes"]).c_str(),
                 format_bytes(r["proportional_host_bytes"]).c_str(),
@@ -253,8 +251,8 @@ void print_table(const RunArgs& args, const std::vector<nlohmann::json>& results
   std::printf("swapped weights: %s per copy; the node holds %s of them for its %d rank%s "
               "(%s private), where a copy per rank would be %s\n",
               format_bytes(frozen).c_str(), format_bytes(proportional_sum).c_str(), args.ranks,
-              args.ranks == 1 ? "" : "s",
-              format_bytes(private_sum).c_str(), format_bytes(frozen * args.ranks).c_str());
+              args.ranks == 1 ? "" : "s", format_bytes(private_sum).c_str(),
+              format_bytes(frozen * args.ranks).c_str());
   std::printf("largest difference against the same job without block swapping, and between "
               "ranks: %g%s\n",
               diff, diff == 0 ? " (identical)" : "  <-- MISMATCH");
@@ -306,14 +304,17 @@ int ranks_command(const RunArgs& args, char** argv) {
   throw Error("--ranks needs LibTorch's ProcessGroupGloo, and this build found no Gloo headers "
               "(Debian: libgloo-dev; scripts/setup-deps installs it): rebuild with them");
 #else
-  BLOCKSWAP_CHECK(args.mode == "train", "--ranks runs data-parallel LoRA training: use --mode "
-                  "train (got --mode ", args.mode, ")");
-  BLOCKSWAP_CHECK(args.device.empty() || args.device == "cpu", "--ranks runs on the emulated "
+  BLOCKSWAP_CHECK(args.mode == "train",
+                  "--ranks runs data-parallel LoRA training: use --mode "
+                  "train (got --mode ",
+                  args.mode, ")");
+  BLOCKSWAP_CHECK(args.device.empty() || args.device == "cpu",
+                  "--ranks runs on the emulated "
                   "device (Gloo between processes on CPUs): use --device cpu or leave it out");
   BLOCKSWAP_CHECK(args.trace.empty() && args.save_weights.empty(),
                   "--trace and --save-weights are for one process: leave them out with --ranks");
-  BLOCKSWAP_CHECK(!args.weights.empty() || args.hidden % args.heads == 0, "--hidden ",
-                  args.hidden, " is not divisible by --heads ", args.heads);
+  BLOCKSWAP_CHECK(!args.weights.empty() || args.hidden % args.heads == 0, "--hidden ", args.hidden,
+                  " is not divisible by --heads ", args.heads);
   BLOCKSWAP_CHECK(args.kill_rank < args.ranks, "--kill-rank ", args.kill_rank,
                   " is not a rank of --ranks ", args.ranks);
   BLOCKSWAP_CHECK(args.steps >= 2 || args.kill_rank < 0,

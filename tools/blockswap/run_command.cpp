@@ -155,8 +155,8 @@ int run_command(const RunArgs& args) {
   const uint64_t steps = static_cast<uint64_t>(args.steps);
   // What the device holds without swapping: the frozen weights; fine-tuning, every weight and
   // AdamW's two moments for it.
-  const uint64_t baseline_peak = work == Work::finetune ? 3 * baseline_model.weight_bytes()
-                                                        : baseline_model.frozen_bytes();
+  const uint64_t baseline_peak =
+      work == Work::finetune ? 3 * baseline_model.weight_bytes() : baseline_model.frozen_bytes();
   const std::string device_text =
       device.is_cpu() ? detail::concat("emulated device (host memory, link ",
                                        args.link_gbps > 0 ? detail::concat(args.link_gbps, " GB/s")

@@ -85,7 +85,8 @@ double bound_for(const ModelShape& shape, const std::vector<BlockTiming>& timing
       self(self, l + 1);
       return;
     }
-    for (config.rs[l] = 1; config.rs[l] <= shape.blocks[l] - ks[l]; ++config.rs[l]) self(self, l + 1);
+    for (config.rs[l] = 1; config.rs[l] <= shape.blocks[l] - ks[l]; ++config.rs[l])
+      self(self, l + 1);
   };
   search(search, 0);
   return best;
@@ -137,9 +138,9 @@ std::vector<ModelShape> bench_shapes(int64_t reference_blocks, std::size_t refer
   };
 }
 
-std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
-                                  const TimedBenchOptions& options,
-                                  const std::function<void(const std::string&, int, int)>& progress) {
+std::vector<BenchRow>
+timed_bench(const std::vector<ModelShape>& shapes, const TimedBenchOptions& options,
+            const std::function<void(const std::string&, int, int)>& progress) {
   struct Point {
     const ModelShape* shape;
     double ratio;
@@ -151,7 +152,8 @@ std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
     for (double ratio : options.ratios) {
       BLOCKSWAP_CHECK(ratio > 0, "a copy/compute ratio must be > 0, got ", ratio);
       for (Mode mode : {Mode::forward_only, Mode::training}) {
-        for (int64_t k : sweep(shape, mode, options.quick)) points.push_back({&shape, ratio, mode, k});
+        for (int64_t k : sweep(shape, mode, options.quick))
+          points.push_back({&shape, ratio, mode, k});
       }
     }
   }
@@ -161,8 +163,8 @@ std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
   Mode last_mode = Mode::forward_only;
   for (const Point& p : points) {
     if (progress) {
-      progress(p.shape->name + " " + (p.mode == Mode::training ? "train" : "infer") + " K=" +
-                   std::to_string(p.k) + ",",
+      progress(p.shape->name + " " + (p.mode == Mode::training ? "train" : "infer") +
+                   " K=" + std::to_string(p.k) + ",",
                static_cast<int>(rows.size()) + 1, static_cast<int>(points.size()));
     }
     const ModelShape& shape = *p.shape;
@@ -183,9 +185,10 @@ std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
     const std::vector<int64_t> ks = ks_for(shape, p.k);
     Config config{ks, std::vector<int64_t>(ks.size(), 0)};
     if (p.mode == Mode::forward_only) config.rs = best_rotating_slots(ks, timings, options.link);
-    const Measured swap = measure(shape, timings, config, p.mode, Algorithm::blockswap, options.link);
-    const Measured seed = measure(shape, timings, Config{ks, config.rs}, p.mode, Algorithm::seed,
-                                  options.link);
+    const Measured swap =
+        measure(shape, timings, config, p.mode, Algorithm::blockswap, options.link);
+    const Measured seed =
+        measure(shape, timings, Config{ks, config.rs}, p.mode, Algorithm::seed, options.link);
 
     BenchRow row;
     row.device = "timed";

@@ -46,8 +46,8 @@ struct TimedBenchOptions {
 
 // Every row: each model × ratio × mode × K, measured on the timed device. A block's forward
 // takes its copy time divided by the ratio (compute in proportion to bytes).
-std::vector<BenchRow> timed_bench(const std::vector<ModelShape>& shapes,
-                                  const TimedBenchOptions& options,
-                                  const std::function<void(const std::string&, int, int)>& progress);
+std::vector<BenchRow>
+timed_bench(const std::vector<ModelShape>& shapes, const TimedBenchOptions& options,
+            const std::function<void(const std::string&, int, int)>& progress);
 
 } // namespace blockswap::tool

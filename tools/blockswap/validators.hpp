@@ -82,8 +82,7 @@ inline CLI::Validator number_in(double lo, double hi) {
       [lo, hi](std::string& text) -> std::string {
         double value = 0;
         const char* end = text.data() + text.size();
-        const auto [ptr, ec] =
-            std::from_chars(text.data(), end, value, std::chars_format::general);
+        const auto [ptr, ec] = std::from_chars(text.data(), end, value, std::chars_format::general);
         const std::string expected = detail::concat("expected a number from ", lo, " to ", hi);
         if (ptr != end || ec == std::errc::invalid_argument) {
           return detail::concat("'", text, "' is not a number: ", expected);

@@ -64,11 +64,11 @@ StepRunner::StepRunner(ReferenceTransformer& model, ModelOffloader* offloader, t
       adapters_(model.lora_parameters()), reduce_(std::move(reduce)) {
   if (work_ == Work::finetune && offloader_ == nullptr) {
     const FusedAdamW o = finetune_adamw();
-    adamw_ = std::make_unique<torch::optim::AdamW>(
-        block_weights(model_), torch::optim::AdamWOptions(o.lr)
-                                   .betas({o.beta1, o.beta2})
-                                   .eps(o.eps)
-                                   .weight_decay(o.weight_decay));
+    adamw_ = std::make_unique<torch::optim::AdamW>(block_weights(model_),
+                                                   torch::optim::AdamWOptions(o.lr)
+                                                       .betas({o.beta1, o.beta2})
+                                                       .eps(o.eps)
+                                                       .weight_decay(o.weight_decay));
   }
 }
 

@@ -68,8 +68,7 @@ double median(std::vector<double> values);
 std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
                                          models::ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         Work work, int steps,
-                                         const GradientReducer& reduce = {});
+                                         Work work, int steps, const GradientReducer& reduce = {});
 
 double max_abs_diff(const Phase& a, const Phase& b);
 std::string milliseconds(double seconds);

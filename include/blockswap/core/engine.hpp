@@ -60,7 +60,7 @@ struct EngineOptions {
 struct Stats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
-  uint64_t moves = 0;        // blocks loaded into a slot by a move (prepare not counted)
+  uint64_t moves = 0; // blocks loaded into a slot by a move (prepare not counted)
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.
   double stall_seconds = 0;
@@ -192,10 +192,10 @@ public:
   // the training forward evicts (Note [write-back before the forward] in engine_training.cpp).
   void write_back_early();
 
-  // The optimizer step on the host (Note [host step] in engine_training.cpp). copy_out copies `bytes` of
-  // device memory written by the computations enqueued so far (a gradient) into `host`, on the
-  // copy stream, and returns an event recorded after it; the caller keeps both memories alive
-  // until wait(event) returns. wait blocks the calling thread until the event, and may be
+  // The optimizer step on the host (Note [host step] in engine_training.cpp). copy_out copies
+  // `bytes` of device memory written by the computations enqueued so far (a gradient) into `host`,
+  // on the copy stream, and returns an event recorded after it; the caller keeps both memories
+  // alive until wait(event) returns. wait blocks the calling thread until the event, and may be
   // called from another thread while the engine is in use. reload_trainable(i) loads block i's
   // trainable bytes again from its host copy into its slot, after every computation that reads
   // the slot, when block i is on the device (nothing otherwise); the next enter(i) waits for it.

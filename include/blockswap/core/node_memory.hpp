@@ -5,8 +5,9 @@
 // is left behind when the last process that maps it ends, however it ends (killed included).
 // The process that creates it publishes a Ticket through the job's rendezvous (the c10d store);
 // the others open the file through /proc/<pid>/fd/<fd> while the creator lives, map it
-// copy-on-write (what a process writes stays its own; the shared pages never change), and check the ticket's nonce in its header, so a ticket left in a store by an
-// earlier job (whose process and descriptor numbers may since be reused) is refused, never used.
+// copy-on-write (what a process writes stays its own; the shared pages never change), and check the
+// ticket's nonce in its header, so a ticket left in a store by an earlier job (whose process and
+// descriptor numbers may since be reused) is refused, never used.
 #pragma once
 
 #include <cstddef>

@@ -25,7 +25,7 @@ struct ListPlan {
 };
 
 struct SwapPlan {
-  std::vector<ListPlan> lists; // in the order given
+  std::vector<ListPlan> lists;  // in the order given
   std::size_t device_bytes = 0; // every list's slots, plus the fixed bytes
   std::size_t moved_bytes = 0;
 };

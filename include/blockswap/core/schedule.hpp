@@ -89,7 +89,8 @@ public:
   int64_t loads_per_pass() const { return loads_per_pass_; }
   // The whole pass (forward-only) or step (forward then backward), moves in place, each op
   // with its slot: which block sits in which slot when. In training every block is computed
-  // in the same slot in its backward as in its forward (Note [exact backward] in engine_training.cpp).
+  // in the same slot in its backward as in its forward (Note [exact backward] in
+  // engine_training.cpp).
   std::vector<Op> pass() const;
   std::string describe() const;
 

@@ -100,8 +100,8 @@ struct TimedList {
 struct TimedStep {
   // As Simulation::step_seconds: training, one step; forward-only, the mean pass of a sequence.
   double step_seconds = 0;
-  double stall_seconds = 0;     // the compute stream idle before the step's computations
-  double link_busy_seconds = 0; // per step
+  double stall_seconds = 0;                // the compute stream idle before the step's computations
+  double link_busy_seconds = 0;            // per step
   std::vector<ComputeRecord> computations; // of the (measured) step(s), in order
 };
 

@@ -9,14 +9,14 @@
 #include <string_view>
 #include <vector>
 
+#include "blockswap/core/schedule.hpp"
 #include "blockswap/model_io/safetensors.hpp"
 #include "blockswap/model_io/size.hpp"
-#include "blockswap/core/schedule.hpp"
 
 namespace blockswap {
 
 struct BlockGroup {
-  std::string name;                  // the name prefix: "double_blocks", "model.layers"
+  std::string name;                     // the name prefix: "double_blocks", "model.layers"
   std::vector<uint64_t> block_bytes;    // by block index order
   std::vector<uint64_t> block_elements; // parameters (tensor elements), by block
   uint64_t total_bytes() const;

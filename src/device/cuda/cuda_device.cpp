@@ -66,8 +66,7 @@ struct CudaDevice::State {
   std::deque<TimedCopy> timed_copies;
 
   // Enqueues a copy, bracketed by timing events when someone observes copies.
-  void copy_async(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind,
-                  int64_t tag) {
+  void copy_async(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int64_t tag) {
     std::unique_lock lock(mutex);
     if (!observer) {
       lock.unlock();
@@ -75,7 +74,8 @@ struct CudaDevice::State {
       return;
     }
     TimedCopy timed{kind == cudaMemcpyHostToDevice, bytes, tag,
-                    cuda::EventHandle(options.device, true), cuda::EventHandle(options.device, true)};
+                    cuda::EventHandle(options.device, true),
+                    cuda::EventHandle(options.device, true)};
     BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.start.get(), copy.get()));
     BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy.get()));
     BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.end.get(), copy.get()));
@@ -88,7 +88,8 @@ struct CudaDevice::State {
     CopyObserver notify;
     {
       std::lock_guard lock(mutex);
-      while (!timed_copies.empty() && cudaEventQuery(timed_copies.front().end.get()) == cudaSuccess) {
+      while (!timed_copies.empty() &&
+             cudaEventQuery(timed_copies.front().end.get()) == cudaSuccess) {
         const TimedCopy& c = timed_copies.front();
         float start_ms = 0, end_ms = 0;
         if (cudaEventElapsedTime(&start_ms, reference.get(), c.start.get()) == cudaSuccess &&
@@ -155,9 +156,8 @@ Buffer CudaDevice::pin_host(std::byte* data, std::size_t bytes) {
     warn_pageable_once(bytes, error);
     return {};
   }
-  return Buffer(data, bytes, [](std::byte* p, std::size_t) {
-    BLOCKSWAP_CUDA_LOG(cudaHostUnregister(p));
-  });
+  return Buffer(data, bytes,
+                [](std::byte* p, std::size_t) { BLOCKSWAP_CUDA_LOG(cudaHostUnregister(p)); });
 }
 
 Buffer CudaDevice::allocate_host(std::size_t bytes) {
@@ -277,7 +277,8 @@ std::optional<double> CudaDevice::elapsed_seconds(const Event& start, const Even
   const CudaEvent& a = cuda_event(start);
   const CudaEvent& b = cuda_event(end);
   if (!a.recorded || !b.recorded) return std::nullopt;
-  if (cudaEventQuery(b.handle.get()) != cudaSuccess || cudaEventQuery(a.handle.get()) != cudaSuccess) {
+  if (cudaEventQuery(b.handle.get()) != cudaSuccess ||
+      cudaEventQuery(a.handle.get()) != cudaSuccess) {
     cudaGetLastError(); // "not ready" is an answer, not an error
     return std::nullopt;
   }

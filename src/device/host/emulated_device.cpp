@@ -274,8 +274,8 @@ void EmulatedDevice::synchronize(const Event& event) {
 
 MemoryStats EmulatedDevice::memory() const {
   std::lock_guard lock(state_->mutex);
-  return MemoryStats{state_->account.held, state_->account.peak,
-                     state_->options.capacity_bytes, false};
+  return MemoryStats{state_->account.held, state_->account.peak, state_->options.capacity_bytes,
+                     false};
 }
 
 void EmulatedDevice::throw_in_copy_thread(std::size_t nth) {

@@ -66,8 +66,8 @@ Buffer reserve(std::size_t bytes) {
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) {
-    throw OutOfMemory(detail::concat("timed device: cannot reserve ", bytes,
-                                     " bytes of address space"));
+    throw OutOfMemory(
+        detail::concat("timed device: cannot reserve ", bytes, " bytes of address space"));
   }
   return Buffer(static_cast<std::byte*>(p), bytes,
                 [size](std::byte* data, std::size_t) { munmap(data, size); });
@@ -80,11 +80,12 @@ Buffer reserve(std::size_t bytes) {
 // device time at which it finished its last task. A task starts at max(free, enqueued): no
 // earlier than the host enqueued it. A wait moves the clock to the awaited mark's time; a
 // record stamps its mark with the clock. The threads are woken only by a wait (the host's, or
-// a stream's for the other's mark) and at destruction, not by each enqueue. The host's clock advances by the CPU time the host
-// thread spends between its calls into the device (the engine's own work counts; time the
-// thread is not running, preempted by other processes, does not), and jumps to a mark's time
-// when the host waits for it (the threads' own wake-ups do not count either). Everything is under one mutex; the threads only sleep on
-// condition variables: their own queue's, and the one for completed marks.
+// a stream's for the other's mark) and at destruction, not by each enqueue. The host's clock
+// advances by the CPU time the host thread spends between its calls into the device (the engine's
+// own work counts; time the thread is not running, preempted by other processes, does not), and
+// jumps to a mark's time when the host waits for it (the threads' own wake-ups do not count
+// either). Everything is under one mutex; the threads only sleep on condition variables: their own
+// queue's, and the one for completed marks.
 struct TimedDevice::State {
   struct StreamState {
     std::deque<Task> queue;
@@ -201,8 +202,8 @@ struct TimedDevice::State {
   }
 
   Clock::time_point at(double seconds) const {
-    return epoch + std::chrono::duration_cast<Clock::duration>(
-                       std::chrono::duration<double>(seconds));
+    return epoch +
+           std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
   }
 
   // Blocks until `mark` is done; returns its time.
@@ -274,8 +275,8 @@ void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, 
 }
 
 void TimedDevice::compute(double seconds, int64_t tag) {
-  BLOCKSWAP_CHECK(std::isfinite(seconds) && seconds >= 0, "timed device: a computation cannot take ",
-                  seconds, " seconds");
+  BLOCKSWAP_CHECK(std::isfinite(seconds) && seconds >= 0,
+                  "timed device: a computation cannot take ", seconds, " seconds");
   Task task;
   task.kind = Task::Kind::busy;
   task.seconds = seconds;
@@ -326,8 +327,8 @@ std::optional<double> TimedDevice::elapsed_seconds(const Event& start, const Eve
 
 MemoryStats TimedDevice::memory() const {
   std::lock_guard lock(state_->mutex);
-  return MemoryStats{state_->account.held, state_->account.peak,
-                     state_->options.capacity_bytes, false};
+  return MemoryStats{state_->account.held, state_->account.peak, state_->options.capacity_bytes,
+                     false};
 }
 
 double TimedDevice::now() const {

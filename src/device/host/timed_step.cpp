@@ -87,8 +87,7 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
   }
   // Forward-only: `warmup_passes`, then a measured chunk of kPassesPerChunk, the host never
   // waiting between passes.
-  BLOCKSWAP_CHECK(warmup_passes >= 0, "time_step: warmup_passes must be >= 0, got ",
-                  warmup_passes);
+  BLOCKSWAP_CHECK(warmup_passes >= 0, "time_step: warmup_passes must be >= 0, got ", warmup_passes);
   // Every pass makes the same copies, so the link's time per pass is its time over all of
   // them divided by their number (counted at the end: the copy thread may lag the host).
   const double link_before = device.link_busy_seconds();
