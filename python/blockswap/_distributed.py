@@ -7,13 +7,19 @@ from . import _compat
 _C = _compat.load_extension()
 
 
+def is_process_group(value):
+    """Whether `value` is a torch.distributed process group."""
+    import torch.distributed as dist
+    return dist.is_available() and isinstance(value, dist.ProcessGroup)
+
+
 def node_sharing(process_group):
     """The job's store, and this rank's place among its node's ranks: the arguments of
     Options.share_node (C++ Options::node_sharing)."""
     import socket
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("process_group needs torch.distributed initialized "
+        raise _C.InvalidArgumentError("process_group needs torch.distributed initialized "
                          "(torch.distributed.init_process_group) first")
     ranks = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(ranks, (socket.gethostname(), dist.get_rank()), group=process_group)

@@ -1,6 +1,7 @@
 """The seed's ModelOffloader on blockswap's engine (python/src/module.cpp), with the forward
 hooks that bracket each block's outputs in autograd, and open_device."""
 
+import operator as _operator
 import os as _os
 
 import torch as _torch
@@ -13,20 +14,54 @@ InvalidArgumentError = _C.InvalidArgumentError
 
 
 def _device_name(device):
-    device = _torch.device(device)
+    try:
+        device = _torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise InvalidArgumentError(f"device {device!r} is not a device: {e}") from None
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device} is not one blockswap runs on: cpu (the emulated "
-                         "device) or cuda")
+        raise InvalidArgumentError(f"device {device} is not one blockswap runs on: cpu (the "
+                                   "emulated device) or cuda")
     return str(device)
+
+
+def _integer(where, name, value, least=0):
+    """An int option (numpy and torch integers too; not a bool), >= least."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{where}{name} must be an int, got {value!r}")
+    try:
+        value = _operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{where}{name} must be an int, got {value!r}") from None
+    if value < least:
+        raise InvalidArgumentError(f"{where}{name} must be an int >= {least}, got {value}")
+    if value >= 2**63:
+        raise InvalidArgumentError(f"{where}{name}={value} is out of range")
+    return value
+
+
+def _real(where, name, value):
+    """A float option (an int or a float, numpy's too; not a bool)."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{where}{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{where}{name} must be a number, got {value!r}") from None
 
 
 def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=0):
     """A device that several offloaders share (a model's double and single blocks): one copy
     stream, one memory account, and a budget (bytes) for all their slots together.
     ``cpu`` is the emulated device; ``link_gbps`` and ``capacity_bytes`` are its link and memory.
+    A mistake in an argument is an InvalidArgumentError naming it.
     """
-    return _C.open_device(_device_name(device), int(budget_bytes), float(link_gbps),
-                          int(capacity_bytes))
+    where = "open_device: "
+    link = _real(where, "link_gbps", link_gbps)
+    if not (link == 0 or 0.001 <= link < float("inf")):
+        raise InvalidArgumentError(f"{where}link_gbps must be 0 (unlimited) or a finite number "
+                                   f">= 0.001, got {link_gbps!r}")
+    return _C.open_device(_device_name(device), _integer(where, "budget_bytes", budget_bytes),
+                          link, _integer(where, "capacity_bytes", capacity_bytes))
 
 
 def _flatten(value, out):
@@ -101,18 +136,27 @@ class ModelOffloader:
         self._impl = None
         self._hooks = []
         self._trace = trace
+        if not isinstance(block_type, str):
+            raise InvalidArgumentError(f"block_type must be a str (the blocks' label), got "
+                                       f"{block_type!r}")
         if num_blocks != len(self.blocks):
-            raise ValueError(f"[{block_type}] num_blocks={num_blocks} but {len(self.blocks)} "
+            raise ValueError(f"[{block_type}] num_blocks={num_blocks!r} but {len(self.blocks)} "
                              "blocks were given")
         if optimizer is not None and not isinstance(optimizer, _FusedOptimizer):
-            raise ValueError(f"[{block_type}] optimizer must be a blockswap.FusedSGD or "
-                             f"FusedAdamW, not a {type(optimizer).__name__}: a torch.optim "
-                             "optimizer cannot step parameters that swap")
+            raise InvalidArgumentError(f"[{block_type}] optimizer must be a blockswap.FusedSGD "
+                                       f"or FusedAdamW, not a {type(optimizer).__name__}: a "
+                                       "torch.optim optimizer cannot step parameters that swap")
+        if process_group is not None and not _distributed.is_process_group(process_group):
+            raise InvalidArgumentError(f"[{block_type}] process_group must be a "
+                                       "torch.distributed process group (e.g. "
+                                       f"torch.distributed.group.WORLD), got {process_group!r}")
+        if trace is not None:
+            self._check_trace(trace)
         # Options::check (C++) checks every option's range, once, for both languages.
         options = self._options(
             blocks_to_swap=0 if blocks_to_swap is None else blocks_to_swap,
             supports_backward=self.supports_backward,
-            device=_device_name(device) if shared_device is None else "cpu",
+            device=_device_name(device),
             reentrant_activation_checkpointing=self.reentrant_activation_checkpointing,
             debug=bool(debug), rotating_slots=rotating_slots,
             device_budget_bytes=device_budget_bytes, shared_device=shared_device,
@@ -158,20 +202,46 @@ class ModelOffloader:
 
     def _options(self, **fields):
         """An Options with each field set (python/src/module.cpp binds them by name). A value
-        of the wrong type is an InvalidArgumentError naming the option."""
+        of the wrong type is an InvalidArgumentError naming the option; Options::check (C++)
+        checks the ranges."""
+        where = f"[{self.block_type}] "
         options = _C.Options()
         for name, value in fields.items():
             default = getattr(options, name)
-            if isinstance(default, int) and not isinstance(default, bool) and (
-                    isinstance(value, bool) or not isinstance(value, int)):
-                raise InvalidArgumentError(f"[{self.block_type}] {name} must be an int, got "
-                                           f"{value!r}")
+            if name == "shared_device":
+                if value is not None and not isinstance(value, _C.Device):
+                    raise InvalidArgumentError(f"{where}shared_device must be a blockswap.Device "
+                                               f"(from blockswap.open_device), got {value!r}")
+            elif isinstance(default, bool):
+                value = bool(value)
+            elif isinstance(default, int):
+                value = _integer(where, name, value, least=-(2**63))
+            elif isinstance(default, float):
+                value = _real(where, name, value)
             try:
                 setattr(options, name, value)
+            except InvalidArgumentError as e:
+                raise InvalidArgumentError(f"{where}{e}") from None
             except TypeError:
-                raise InvalidArgumentError(f"[{self.block_type}] {name}={value!r} is not a "
-                                           f"{type(default).__name__}") from None
+                # an unsigned field (bytes): a negative value, or one too large
+                raise InvalidArgumentError(f"{where}{name} must be an int >= 0 that fits 64 "
+                                           f"bits, got {value!r}") from None
         return options
+
+    @staticmethod
+    def _check_trace(trace):
+        """The trace file must be writable: it is written at close(), after the whole run."""
+        try:
+            path = _os.fspath(trace)
+        except TypeError:
+            raise InvalidArgumentError(f"trace must be a file path, got {trace!r}") from None
+        if isinstance(path, bytes):
+            path = _os.fsdecode(path)
+        parent = _os.path.dirname(_os.path.abspath(path)) if path else ""
+        if not path or _os.path.isdir(path) or not _os.path.isdir(parent) or not _os.access(
+                parent, _os.W_OK):
+            raise InvalidArgumentError(f"trace={trace!r}: the trace file cannot be written there "
+                                       "(a file path in a writable directory)")
 
     def exclude_from_ddp(self, model):
         """Makes ``DistributedDataParallel(model)`` leave the swapped frozen weights alone.
@@ -339,8 +409,12 @@ class ModelOffloader:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        try:
+            self.close()
+        except Exception:
+            if exc_type is None:
+                raise  # the body's own error, when there is one, is the one to see
         return False
 
     def __del__(self):

@@ -244,9 +244,33 @@ def test_options_are_checked_once_and_raise_one_kind_of_error():
         (dict(k=0, gradient_accumulation_steps=0), r"gradient_accumulation_steps must be an "
                                                    r"int >= 1, got 0"),
     ]
+    cases += [
+        (dict(k=0, training=False, rotating_slots=7), r"rotating_slots R=7 is out of range for "
+                                                      r"N=6, K=0"),  # whatever K is
+        (dict(k=2, device_budget_bytes=-1), r"device_budget_bytes must be an int >= 0"),
+        (dict(k=2, shared_device="cpu"), r"shared_device must be a blockswap.Device"),
+        (dict(k=2, optimizer="adamw"), r"optimizer must be a blockswap.FusedSGD"),
+        (dict(k=2, process_group="world"), r"process_group must be a torch.distributed"),
+        (dict(k=2, trace=5), r"trace must be a file path"),
+        (dict(k=2, trace="/nonexistent-dir/x.json"), r"cannot be written there"),
+        (dict(k=2, emulated_link_gbps=1e-9), r"emulated_link_gbps is 1e-09"),
+        (dict(k=2, emulated_link_gbps=True), r"emulated_link_gbps must be a number"),
+        (dict(k=2, training=False, step_on="cpu"), r"\[blocks\] step_on must be"),
+    ]
     for arguments, message in cases:
         with pytest.raises(blockswap.InvalidArgumentError, match=message):
             offloader(blocks, **arguments)
+    with pytest.raises(blockswap.InvalidArgumentError, match="open_device: budget_bytes must be"):
+        blockswap.open_device("cpu", budget_bytes=-1)
+    with pytest.raises(blockswap.InvalidArgumentError, match="not a device"):
+        blockswap.open_device("gpu")
+    # A budget the planner cannot fit is a budget that cannot hold the slots.
+    with pytest.raises(blockswap.OutOfMemoryError, match=r"\[blocks\] .*smallest budget"):
+        offloader(blocks, -1, device_budget_bytes=10)
+    # Integers of numpy are integers.
+    numpy = pytest.importorskip("numpy")
+    with offloader(blocks, numpy.int64(2), rotating_slots=numpy.int32(0)) as ok:
+        assert ok.blocks_to_swap == 2
     # The offloaders that raised changed nothing.
     for block, twin_block in zip(blocks, reference):
         for p, q in zip(block.parameters(), twin_block.parameters()):
@@ -254,6 +278,23 @@ def test_options_are_checked_once_and_raise_one_kind_of_error():
     # Nothing was claimed by the failed offloaders.
     with offloader(blocks, 2):
         pass
+
+
+def test_an_error_in_the_with_body_is_the_one_raised(tmp_path):
+    blocks = make_blocks(N)
+    folder = tmp_path / "traces"
+    folder.mkdir()
+    with pytest.raises(KeyError, match="the body's"):
+        with offloader(blocks, 2, trace=str(folder / "trace.json")):
+            folder.rmdir()  # the trace cannot be written at close() any more
+            raise KeyError("the body's")
+    # Without an error in the body, the trace's own error is raised.
+    folder.mkdir()
+    o = offloader(blocks, 2, trace=str(folder / "trace.json"))
+    folder.rmdir()
+    with pytest.raises(blockswap.Error, match="trace"):
+        with o:
+            pass
 
 
 def test_misuse_raises_blockswap_errors():

@@ -71,12 +71,17 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
     try {
       return plan_blocks_to_swap(bytes, left, mode);
     } catch (const Error& e) {
-      throw Error(detail::concat("[", label, "] the shared device ", device.name(), " has ", left,
-                                 " bytes left of its budget of ", device.budget_bytes(), ": ",
-                                 e.what(), ". Plan every block list together (plan_block_lists)"));
+      throw OutOfMemory(detail::concat("[", label, "] the shared device ", device.name(), " has ",
+                                       left, " bytes left of its budget of ", device.budget_bytes(),
+                                       ": ", e.what(),
+                                       ". Plan every block list together (plan_block_lists)"));
     }
   }
-  return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
+  try {
+    return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
+  } catch (const Error& e) {
+    throw OutOfMemory(detail::concat("[", label, "] ", e.what()));
+  }
 }
 
 } // namespace
@@ -278,7 +283,11 @@ public:
                     ": a backward with create_graph=true (double backward, e.g. a gradient "
                     "penalty) through swapped blocks is not supported: its second-order graph "
                     "would read weights that have moved. Use blocks_to_swap = 0 for it");
-    mark_compute(detail::concat("backward of block ", block + 1));
+    // The span that ends here: the backward of the block after this one, or, before the last
+    // block's backward, what ran between the forward and the backward (the loss).
+    mark_compute(block + 1 < static_cast<int64_t>(outputs_seen_.size())
+                     ? detail::concat("backward of block ", block + 1)
+                     : std::string("after the blocks' forward"));
     engine_->acquire_for_backward(block, slot);
     if (fine_tuner_.backward_starts(block)) {
       torch_frontend::at_backward_end([weak = self_] {

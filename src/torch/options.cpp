@@ -24,6 +24,14 @@ void Options::check(const std::string& label, int64_t blocks) const {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(at + e.what());
   }
+  // Checked whatever K is, so that a configuration does not fail only once K is raised.
+  if (blocks_to_swap == 0 && rotating_slots != 0) {
+    BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 1 && rotating_slots <= blocks, at,
+                             "rotating_slots R=", rotating_slots, " is out of range for N=", blocks,
+                             ", K=0: expected 1 <= R <= N-K = ", blocks);
+  }
+  BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 0, at, "rotating_slots R=", rotating_slots,
+                           " must be >= 0 (0: the default)");
   if (blocks_to_swap == -1) {
     const bool budget = shared_device ? shared_device->budget_bytes() > 0 : device_budget_bytes > 0;
     BLOCKSWAP_CHECK_ARGUMENT(budget, at,
@@ -38,13 +46,14 @@ void Options::check(const std::string& label, int64_t blocks) const {
         shared_device->name(), ": leave Options::device at its default when sharing a device");
     BLOCKSWAP_CHECK_ARGUMENT(
         device_budget_bytes == 0 && emulated_link_gbps == 0 && emulated_capacity_bytes == 0, at,
-        "with Options::shared_device, the budget, link and capacity "
-        "are the device's: set them in DeviceOptions when opening it, "
+        "with Options::shared_device (Python: shared_device=), the budget, link and capacity are "
+        "the device's: set them in DeviceOptions when opening it (Python: open_device(...)), "
         "not in Options");
   }
-  BLOCKSWAP_CHECK_ARGUMENT(std::isfinite(emulated_link_gbps) && emulated_link_gbps >= 0, at,
-                           "emulated_link_gbps is ", emulated_link_gbps,
-                           "; it must be finite and >= 0 (0: unlimited)");
+  BLOCKSWAP_CHECK_ARGUMENT(emulated_link_gbps == 0 ||
+                               (std::isfinite(emulated_link_gbps) && emulated_link_gbps >= 0.001),
+                           at, "emulated_link_gbps is ", emulated_link_gbps,
+                           "; it must be 0 (unlimited) or finite and >= 0.001");
 
   // Full fine-tuning.
   BLOCKSWAP_CHECK_ARGUMENT(gradient_accumulation_steps >= 1, at,

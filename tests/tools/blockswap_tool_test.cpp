@@ -434,7 +434,9 @@ TEST(Ranks, EveryRankTrainsExactlyOnOneHostCopyOfTheSwappedWeights) {
       EXPECT_EQ(rank["max_diff_to_rank0"].get<double>(), 0.0); // against rank 0
       EXPECT_GT(rank["h2d_bytes"].get<uint64_t>(), 0u);
       private_sum += rank["private_host_bytes"].get<uint64_t>();
-      if (ranks > 1) EXPECT_GE(rank["shared_host_bytes"].get<uint64_t>(), copy);
+      if (ranks > 1) {
+        EXPECT_GE(rank["shared_host_bytes"].get<uint64_t>(), copy);
+      }
       // Each rank's share of the node's one copy.
       EXPECT_NEAR(double(rank["proportional_host_bytes"]), double(copy) / ranks, 64 * 1024.0);
     }
