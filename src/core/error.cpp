@@ -2,10 +2,9 @@
 
 namespace blockswap::detail {
 
-void check_block_index(const std::string& label, int64_t block, int64_t blocks) {
-  if (block >= 0 && block < blocks) return;
-  throw Error(concat(label.empty() ? "" : "[" + label + "] ", "block index ", block,
-                     " is out of range for ", blocks, " blocks"));
+void throw_block_index(std::string_view label, int64_t block, int64_t blocks) {
+  throw Error(concat(label.empty() ? std::string() : concat("[", label, "] "), "block index ",
+                     block, " is out of range for ", blocks, " blocks"));
 }
 
 void throw_internal(const char* condition, const char* file, int line, const std::string& message) {

@@ -39,24 +39,9 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
   }
 }
 
-HostRegion HostStore::region(const Block& block, Region which) const {
-  return which == Region::packed ? HostRegion{block.host, block.bytes - block.trainable}
-                                 : HostRegion{block.spare, 0};
-}
-
 HostRegion HostStore::trainable(int64_t block) const {
   const Block& b = blocks_[block];
   return region(b, b.current);
-}
-
-bool HostStore::Source::contiguous() const {
-  return trainable_bytes == 0 || frozen + frozen_bytes == trainable;
-}
-
-HostStore::Source HostStore::load_source(int64_t block) const {
-  const Block& b = blocks_[block];
-  const Region freshest = b.pending ? other(b.current) : b.current;
-  return Source{b.host->data(), region(b, freshest).data(), b.bytes - b.trainable, b.trainable};
 }
 
 // Note [atomic write-back]

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 
 namespace blockswap {
@@ -41,9 +42,16 @@ template <typename... Args> std::string concat(Args&&... args) {
   return out.str();
 }
 
+[[noreturn]] void throw_block_index(std::string_view label, int64_t block, int64_t blocks);
+
 // Throws Error "[label] block index B is out of range for N blocks" unless 0 <= B < N (no
-// prefix with an empty label): the one check of a block index, wherever one is given.
-void check_block_index(const std::string& label, int64_t block, int64_t blocks);
+// prefix with an empty label): the one check of a block index, wherever one is given. Inline:
+// the engine's verbs check on every call (bench/engine_bench.cpp measures them).
+inline void check_block_index(std::string_view label, int64_t block, int64_t blocks) {
+  if (block < 0 || block >= blocks) [[unlikely]] {
+    throw_block_index(label, block, blocks);
+  }
+}
 
 [[noreturn]] void throw_internal(const char* condition, const char* file, int line,
                                  const std::string& message);

@@ -62,10 +62,17 @@ public:
   struct Source {
     const std::byte* frozen = nullptr;
     const std::byte* trainable = nullptr;
-    bool contiguous() const;
+    bool contiguous() const { return trainable_bytes == 0 || frozen + frozen_bytes == trainable; }
     std::size_t frozen_bytes = 0, trainable_bytes = 0;
   };
-  Source load_source(int64_t block) const;
+  Source load_source(int64_t block) const { // inline: every load asks (engine_bench)
+    const Block& b = blocks_[block];
+    const Region freshest = b.pending ? other(b.current) : b.current;
+    const std::byte* trainable = freshest == Region::packed
+                                     ? b.host->data() + (b.bytes - b.trainable)
+                                     : b.spare->data(); // no HostRegion: no reference count
+    return Source{b.host->data(), trainable, b.bytes - b.trainable, b.trainable};
+  }
 
   // Note [atomic write-back]. begin_write_back: the region block i's changed trainable bytes go
   // to (the one that is not authoritative), and the event the caller records after that copy;
@@ -97,7 +104,10 @@ private:
     std::unique_ptr<Event> written;  // recorded on the copy stream after that write-back
   };
   static Region other(Region r) { return r == Region::packed ? Region::spare : Region::packed; }
-  HostRegion region(const Block& block, Region which) const;
+  HostRegion region(const Block& block, Region which) const {
+    return which == Region::packed ? HostRegion{block.host, block.bytes - block.trainable}
+                                   : HostRegion{block.spare, 0};
+  }
 
   std::shared_ptr<Backend> backend_;
   std::vector<Block> blocks_;
