@@ -138,9 +138,9 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
                   " got a gradient outside its block's backward (used outside the block, or "
                   "backward called on a tensor computed from it directly): a parameter that "
                   "trains with its block may be used only inside the block");
-  const bool final = backwards_ >= accumulation_;
+  const bool last_of_step = backwards_ >= accumulation_;
   if (on_host_) {
-    host_gradient(block, param, grad, final);
+    host_gradient(block, param, grad, last_of_step);
     return;
   }
   BLOCKSWAP_CHECK(engine_->is_ready(block) &&
@@ -152,7 +152,7 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
   for (std::size_t s : where.state) state.push_back(binder_->tensor(block, s).variable.detach());
   const at::Tensor sum =
       accumulation_ > 1 ? binder_->tensor(block, where.grad_sum).variable.detach() : at::Tensor();
-  step(block, param, grad, sum, final, variable.detach(), state);
+  step(block, param, grad, sum, last_of_step, variable.detach(), state);
   if (accumulation_ > 1) binder_->written_by_blockswap(block, where.grad_sum);
   binder_->written_by_blockswap(block, where.tensor);
   for (std::size_t s : where.state) binder_->written_by_blockswap(block, s);
@@ -160,9 +160,10 @@ void FineTuner::gradient_ready(int64_t block, std::size_t param) {
 }
 
 void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum,
-                     bool final, const at::Tensor& variable, const std::vector<at::Tensor>& state) {
+                     bool last_of_step, const at::Tensor& variable,
+                     const std::vector<at::Tensor>& state) {
   Param& p = params_[block][param];
-  if (!final) {
+  if (!last_of_step) {
     if (p.summed) {
       sum.add_(grad);
     } else {
@@ -186,7 +187,7 @@ void FineTuner::step(int64_t block, std::size_t param, at::Tensor grad, const at
 // Note [host step] in engine_training.cpp: the gradient goes out on the copy stream; the worker
 // waits for it and steps the host copy; loads of the block wait for the worker (before_load).
 void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor& grad,
-                              bool final) {
+                              bool last_of_step) {
   // The step changes the host copy: what the caller wrote into the block's tensors on the
   // device since they were bound (weights loaded after an evaluation pass) goes there first.
   if (!host_saved_[block]) {
@@ -199,12 +200,12 @@ void FineTuner::host_gradient(int64_t block, std::size_t param, const at::Tensor
                 engine_->copy_out(static_cast<std::byte*>(host.grad.data_ptr()),
                                   static_cast<const std::byte*>(out.data_ptr()),
                                   out.numel() * out.element_size(), block),
-                out, final};
+                out, last_of_step};
   {
     std::lock_guard lock(mutex_);
     tasks_.push_back(std::move(task));
     ++in_flight_[block];
-    if (final) host_stepped_[block] = true;
+    if (last_of_step) host_stepped_[block] = true;
   }
   changed_.notify_all();
 }
@@ -224,7 +225,7 @@ void FineTuner::work() {
       task.device_grad = at::Tensor();
       const HostParam& host = host_[task.block][task.param];
       const TrainableParam& where = binder_->layouts()[task.block].trainable[task.param];
-      step(task.block, task.param, host.grad, host.grad_sum, task.final,
+      step(task.block, task.param, host.grad, host.grad_sum, task.last_of_step,
            binder_->host_copy(task.block, where.tensor), host.state);
     } catch (const std::exception& e) {
       const auto& layout = binder_->layouts()[task.block];

@@ -92,7 +92,7 @@ private:
     std::size_t param = 0;
     std::shared_ptr<Event> copied; // the gradient is in HostParam::grad
     at::Tensor device_grad;        // alive until then
-    bool final = false;
+    bool last_of_step = false;     // the last backward of a step: the parameter steps
   };
   void check_attached(int64_t block) const;
   // Puts the hook on the gradient accumulator the parameter has now, unless it is there.
@@ -102,9 +102,9 @@ private:
   void check_no_gradient_missed() const;
   // The step itself: `grad` is the gradient of this backward; earlier ones are summed in
   // `sum` until the last backward of a step. `param` and `state` are where the step runs.
-  void step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum, bool final,
-            const at::Tensor& variable, const std::vector<at::Tensor>& state);
-  void host_gradient(int64_t block, std::size_t param, const at::Tensor& grad, bool final);
+  void step(int64_t block, std::size_t param, at::Tensor grad, const at::Tensor& sum,
+            bool last_of_step, const at::Tensor& variable, const std::vector<at::Tensor>& state);
+  void host_gradient(int64_t block, std::size_t param, const at::Tensor& grad, bool last_of_step);
   void work();  // the worker thread
   void drain(); // until no host step is in flight
   // At the end of a backward (or at the next pass after one that failed): drains, reloads the
