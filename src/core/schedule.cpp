@@ -32,8 +32,10 @@ void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode) {
 
 void Schedule::check(const ScheduleOptions& options) {
   check(options.blocks, options.blocks_to_swap, options.mode);
+  // Checked with K = 0 too (R is unused then), so that a configuration does not fail only once
+  // K is raised.
   if (options.mode == Mode::training || options.algorithm == Algorithm::seed ||
-      options.blocks_to_swap == 0 || options.rotating_slots == 0) {
+      options.rotating_slots == 0) {
     return;
   }
   const int64_t max_r = options.blocks - options.blocks_to_swap;

@@ -24,12 +24,6 @@ void Options::check(const std::string& label, int64_t blocks) const {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(at + e.what());
   }
-  // Checked whatever K is, so that a configuration does not fail only once K is raised.
-  if (blocks_to_swap == 0 && rotating_slots != 0) {
-    BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 1 && rotating_slots <= blocks, at,
-                             "rotating_slots R=", rotating_slots, " is out of range for N=", blocks,
-                             ", K=0: expected 1 <= R <= N-K = ", blocks);
-  }
   BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 0, at, "rotating_slots R=", rotating_slots,
                            " must be >= 0 (0: the default)");
   if (blocks_to_swap == -1) {
