@@ -18,11 +18,11 @@ if [ -d /usr/lib/ccache ]; then export PATH="/usr/lib/ccache:$PATH"; fi
 if out=$("${pip[@]}" --no-deps "$source_dir" 2>&1); then
   echo "pip install without --no-build-isolation succeeded; it must stop"; exit 1
 fi
-echo "$out" | grep -q "pip install --no-build-isolation ." \
+echo "$out" | grep "pip install --no-build-isolation ." >/dev/null \
   || { echo "$out" | tail -20; echo "pip install: not the expected message"; exit 1; }
 
 "${pip[@]}" --no-build-isolation "$source_dir"
-"$work_dir/venv/bin/python" -m pip show blockswap | grep -q "^Requires: torch" \
+"$work_dir/venv/bin/python" -m pip show blockswap | grep "^Requires: torch" >/dev/null \
   || { echo "the built package does not require its torch"; exit 1; }
 cd "$work_dir"
 "$work_dir/venv/bin/python" - <<'PY'
