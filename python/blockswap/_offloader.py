@@ -6,7 +6,7 @@ import os as _os
 
 import torch as _torch
 
-from . import _compat, _distributed
+from . import _block_tensors, _compat, _distributed, _hooks, _peft
 from ._optim import _FusedOptimizer
 
 _C = _compat.load_extension()
@@ -64,30 +64,6 @@ def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=
                           link, _integer(where, "capacity_bytes", capacity_bytes))
 
 
-def _flatten(value, out):
-    """The tensors in a block's output (a tensor, or tuples, lists and dicts of them)."""
-    if isinstance(value, _torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
-        for v in value:
-            _flatten(v, out)
-    elif isinstance(value, dict):
-        for v in value.values():
-            _flatten(v, out)
-
-
-def _rebuild(value, tensors):
-    if isinstance(value, _torch.Tensor):
-        return next(tensors)
-    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(_rebuild(v, tensors) for v in value))
-    if isinstance(value, (tuple, list)):
-        return type(value)(_rebuild(v, tensors) for v in value)
-    if isinstance(value, dict):
-        return type(value)((k, _rebuild(v, tensors)) for k, v in value.items())
-    return value
-
-
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -95,7 +71,10 @@ class ModelOffloader:
     through), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
     ``shared_device`` (from ``open_device``: one device for several offloaders), ``trace`` (a
     Chrome trace file written at ``close()``), ``emulated_link_gbps`` and
-    ``emulated_capacity_bytes`` (the emulated device, ``device='cpu'``).
+    ``emulated_capacity_bytes`` (the emulated device, ``device='cpu'``), ``hook_blocks``
+    (``True``: forward hooks wait for each block before it runs and submit its move after it,
+    for a model whose own forward loops over the blocks, such as diffusers' classes; call
+    ``prepare_block_devices_before_forward()`` before each pass yourself).
 
     Full fine-tuning: ``optimizer`` (a ``FusedSGD`` or ``FusedAdamW`` over the blocks'
     parameters that require grad) swaps those parameters with their blocks and steps each one
@@ -122,7 +101,7 @@ class ModelOffloader:
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
-                 step_on="auto", process_group=None):
+                 step_on="auto", process_group=None, hook_blocks=False):
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
         self.num_blocks = num_blocks
@@ -135,6 +114,7 @@ class ModelOffloader:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self._impl = None
         self._hooks = []
+        self._merge_originals = {}  # Note [peft merges]
         self._trace = trace
         if not isinstance(block_type, str):
             raise InvalidArgumentError(f"block_type must be a str (the blocks' label), got "
@@ -182,10 +162,8 @@ class ModelOffloader:
             if not isinstance(block, _torch.nn.Module):
                 raise ValueError(f"[{block_type}] block {i} is a {type(block).__name__}, not a "
                                  "torch.nn.Module")
-        # named_parameters lists each Parameter once, whatever aliases it (peft's base_layer
-        # wrappers); the C++ side packs each tensor once too.
-        tensors = [([(name, p) for name, p in block.named_parameters()],
-                    [(name, b) for name, b in block.named_buffers()]) for block in self.blocks]
+        tensors = [_block_tensors.block_tensors(block, block_type, i)
+                   for i, block in enumerate(self.blocks)]
         if optimizer is not None:
             if optimizer.offloader is not None:
                 raise ValueError(f"[{block_type}] this optimizer already belongs to the "
@@ -196,9 +174,14 @@ class ModelOffloader:
             optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
                                      for name, p in block.named_parameters() if p.requires_grad})
         self.blocks_to_swap = self._impl.blocks_to_swap()
-        if self.supports_backward:
-            for i, block in enumerate(self.blocks):
-                self._hooks.append(block.register_forward_hook(self._forward_hook(i)))
+        _peft.manage(self, self.blocks)
+        for i, block in enumerate(self.blocks):
+            if hook_blocks:
+                self._hooks.append(block.register_forward_pre_hook(
+                    _hooks.WaitHook(self, block, i)))
+            if hook_blocks or self.supports_backward:
+                self._hooks.append(block.register_forward_hook(
+                    _hooks.OutputHook(self, block, i, submit=hook_blocks)))
 
     def _options(self, **fields):
         """An Options with each field set (python/src/module.cpp binds them by name). A value
@@ -265,24 +248,6 @@ class ModelOffloader:
             raise ValueError(f"[{self.block_type}] {len(trainable - given)} trainable "
                              "parameter(s) of these blocks are not in the optimizer: give it "
                              "every block parameter that requires grad")
-
-    def _forward_hook(self, index):
-        # A block's outputs, bracketed in autograd: before the block's backward runs, its
-        # weights are brought back where its forward's saved tensors point.
-        def hook(module, inputs, output):
-            if self._impl is None:
-                return None
-            if not _torch.is_grad_enabled():
-                # No backward can reach this block's outputs: its submit may be outside no_grad.
-                self._impl.bracket_outputs(index, [])
-                return None
-            tensors = []
-            _flatten(output, tensors)
-            if not tensors:
-                return None
-            return _rebuild(output, iter(self._impl.bracket_outputs(index, tensors)))
-
-        return _compat.compiler_disable(hook)
 
     # The seed's verbs.
 
@@ -401,6 +366,7 @@ class ModelOffloader:
         if self.optimizer is not None and self.optimizer.offloader is self:
             self.optimizer._detach()
         impl, self._impl = self._impl, None
+        _peft.release(self)
         if impl is not None:
             impl.close()
             if self._trace is not None:

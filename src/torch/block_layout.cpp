@@ -32,6 +32,12 @@ std::string unusable(const at::Tensor& tensor, c10::Device device) {
     return "is not a dense tensor: blockswap swaps dense (strided) tensors only";
   }
   if (tensor.is_quantized()) return "is a quantized tensor, which blockswap cannot pack";
+  // A wrapper tensor subclass (torchao's Float8Tensor) keeps its values in inner tensors: the
+  // Python package opens it into them (Note [wrapper subclasses], _block_tensors.py).
+  if (!tensor.has_storage()) {
+    return "has no storage of its own (a wrapper tensor subclass): give blockswap its inner "
+           "tensors instead";
+  }
   if (!tensor.device().is_cpu() && tensor.device().type() != device.type()) {
     return detail::concat("is on ", tensor.device().str(), ", but the offloader's device is ",
                           device.str());

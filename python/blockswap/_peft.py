@@ -1,0 +1,97 @@
+"""peft's merge_adapter() / unmerge_adapter() (and diffusers' fuse_lora / unfuse_lora, which call
+the same layer methods) on blocks that blockswap swaps.
+
+Note [peft merges]
+peft merges an adapter by writing the base weight through ``.data`` (``weight.data += delta``),
+a write autograd's version counter does not see, into wherever the weight is bound right then:
+a slot that the next eviction discards, or the host copy itself, which is authoritative. Left
+alone, a merge would be lost at the next move or would change the base weights for good. So
+each managed tuner layer's merge first rebinds its base weights to a private copy of their
+true values, on the device the adapter is on; peft merges into that copy, and blockswap, which
+sees the rebinding, takes the merged values into the host copy and the slot at the block's next
+move (Note [changed tensors] in block_binder.cpp). The merged sample is the one peft computes
+without blockswap, bit for bit. The first merge keeps the weights' original values, and unmerge
+puts them back exactly: the host copy ends as it was, where peft's own subtraction would leave
+rounding behind.
+
+The layer classes are patched once, and the patch does nothing for a layer no live offloader
+holds: copies (``copy.deepcopy``), pickles and models without blockswap see peft's own methods.
+"""
+
+import sys as _sys
+import weakref as _weakref
+
+import torch as _torch
+
+# tuner layer -> the offloader that swaps its block
+_managed = _weakref.WeakKeyDictionary()
+_patched = set()
+
+
+def _tuner_layer_class():
+    tuners = _sys.modules.get("peft.tuners.tuners_utils")
+    return getattr(tuners, "BaseTunerLayer", None) if tuners is not None else None
+
+
+def _base_tensors(layer):
+    return [p for _, p in layer.get_base_layer().named_parameters(recurse=False)
+            if not p.requires_grad]
+
+
+def _merge(original):
+    def merge(self, *args, **kwargs):
+        offloader = _managed.get(self)
+        if offloader is None or not offloader._active:
+            return original(self, *args, **kwargs)
+        offloader.synchronize()
+        device = next((p.device for p in self.parameters() if p.requires_grad), None)
+        originals = offloader._merge_originals
+        for p in _base_tensors(self):
+            if id(p) not in originals:
+                originals[id(p)] = (p, p.detach().to("cpu", copy=True))
+            p.data = p.detach().to(device or p.device, copy=True)  # Note [peft merges]
+        return original(self, *args, **kwargs)
+
+    merge.__wrapped__ = original
+    return merge
+
+
+def _unmerge(original):
+    def unmerge(self, *args, **kwargs):
+        offloader = _managed.get(self)
+        if offloader is None or not offloader._active:
+            return original(self, *args, **kwargs)
+        offloader.synchronize()
+        result = original(self, *args, **kwargs)
+        if not self.merged:  # every adapter of the layer is out: the original values come back
+            for p in _base_tensors(self):
+                saved = offloader._merge_originals.pop(id(p), None)
+                if saved is not None:
+                    p.data = saved[1].to(p.device, copy=True)
+        return result
+
+    unmerge.__wrapped__ = original
+    return unmerge
+
+
+def manage(offloader, blocks):
+    """Routes the merges of the peft tuner layers in `blocks` through Note [peft merges]."""
+    tuner = _tuner_layer_class()
+    if tuner is None:
+        return
+    for block in blocks:
+        for module in block.modules():
+            if not isinstance(module, tuner):
+                continue
+            cls = type(module)
+            if cls not in _patched and hasattr(cls, "merge") and hasattr(cls, "unmerge"):
+                cls.merge = _merge(cls.merge)
+                cls.unmerge = _unmerge(cls.unmerge)
+                _patched.add(cls)
+            _managed[module] = offloader
+
+
+def release(offloader):
+    for module in [m for m, o in _managed.items() if o is offloader]:
+        del _managed[module]
+    offloader._merge_originals.clear()
