@@ -6,7 +6,7 @@ import os as _os
 
 import torch as _torch
 
-from . import _block_tensors, _compat, _distributed, _hooks, _peft
+from . import _block_tensors, _compat, _distributed, _hooks, _module_casts, _peft
 from ._optim import _FusedOptimizer
 
 _C = _compat.load_extension()
@@ -67,6 +67,16 @@ def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
+    ``block_type`` (the label in messages), ``blocks`` (the modules, in the order they run),
+    ``num_blocks`` (their number), ``blocks_to_swap`` (K, the blocks that leave the device;
+    0 or None: none; -1 with ``device_budget_bytes``: the planner chooses),
+    ``supports_backward`` (False: inference only), ``device`` (``cuda``, ``cuda:N``, or
+    ``cpu``, the emulated device), ``reentrant_activation_checkpointing`` (the blocks run in
+    reentrant ``torch.utils.checkpoint``, which runs each block's forward again in backward),
+    ``debug`` (the seed's log: a line for each move and wait).
+    musubi-tuner passes ``use_pinned_memory`` where diffusion-pipe passes the reentrant flag:
+    see docs/python.md, "Trainers".
+
     Keyword-only extras: ``rotating_slots`` (inference: slots the swapped blocks rotate
     through), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
     ``shared_device`` (from ``open_device``: one device for several offloaders), ``trace`` (a
@@ -102,6 +112,20 @@ class ModelOffloader:
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False):
+        # The arguments, to build it again after a cast (Note [casting a managed model]).
+        self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
+                            device, reentrant_activation_checkpointing, debug),
+                           dict(rotating_slots=rotating_slots,
+                                device_budget_bytes=device_budget_bytes,
+                                shared_device=shared_device, trace=trace,
+                                emulated_link_gbps=emulated_link_gbps,
+                                emulated_capacity_bytes=emulated_capacity_bytes,
+                                optimizer=optimizer,
+                                gradient_accumulation_steps=gradient_accumulation_steps,
+                                max_grad_norm_per_parameter=max_grad_norm_per_parameter,
+                                step_on=step_on, process_group=process_group,
+                                hook_blocks=hook_blocks))
+        self._rebuild = False
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
         self.num_blocks = num_blocks
@@ -115,6 +139,7 @@ class ModelOffloader:
         self._impl = None
         self._hooks = []
         self._merge_originals = {}  # Note [peft merges]
+        self._submitted = set()  # blocks submitted since the last prepare (for its message)
         self._trace = trace
         if not isinstance(block_type, str):
             raise InvalidArgumentError(f"block_type must be a str (the blocks' label), got "
@@ -175,6 +200,7 @@ class ModelOffloader:
                                      for name, p in block.named_parameters() if p.requires_grad})
         self.blocks_to_swap = self._impl.blocks_to_swap()
         _peft.manage(self, self.blocks)
+        _module_casts.manage(self, self.blocks)
         for i, block in enumerate(self.blocks):
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
@@ -252,38 +278,70 @@ class ModelOffloader:
     # The seed's verbs.
 
     @_compat.compiler_disable
-    def prepare_block_devices_before_forward(self):
+    def prepare_block_devices_before_forward(self, blocks=None):
+        """Places the blocks for a pass: call before each forward pass (after a mode switch
+        too). ``blocks``: musubi-tuner passes the block list again; it must be this
+        offloader's."""
+        if blocks is not None and self._impl is not None:
+            self._check_same_blocks(blocks, "prepare_block_devices_before_forward")
+        if self._rebuild:
+            self._build_again()
         if self._impl is not None:
             if self.optimizer is not None:  # a scheduler may have changed any of them
                 self._impl.set_optimizer(self.optimizer._kind, self.optimizer._hyper())
             self._impl.prepare()
+            self._submitted.clear()
 
     @_compat.compiler_disable
     def wait_for_block(self, block_idx):
+        """Makes compute wait until block ``block_idx`` is on the device: call just before the
+        block runs."""
+        if self._rebuild:
+            self._build_again()
         if self._impl is not None:
             self._impl.wait_for_block(block_idx)
 
     @_compat.compiler_disable
     def submit_move_blocks_forward(self, *args):
-        """``submit_move_blocks_forward(i)``; ``(blocks, i)`` as musubi-tuner calls it."""
+        """Starts the moves that follow block ``i``'s run: call just after it ran.
+        ``submit_move_blocks_forward(i)``, or ``(blocks, i)`` as musubi-tuner calls it."""
         block_idx = args[-1]
+        if self._rebuild:
+            self._build_again()
         if self._impl is not None:
-            self._impl.submit(block_idx)
+            try:
+                self._impl.submit(block_idx)
+            except _C.Error as e:
+                if block_idx not in self._submitted:
+                    raise
+                raise _C.Error(
+                    f"[{self.block_type}] submit_move_blocks_forward({block_idx}) was called "
+                    f"again after block {block_idx} had left the device: call it once each "
+                    "time the block runs, after it ran, and prepare_block_devices_before_"
+                    f"forward() before a pass that starts again from the first block ({e})"
+                ) from None
+            self._submitted.add(block_idx)
 
     @_compat.compiler_disable
     def disable_block_swap(self):
+        """Stops swapping (the seed's eval switch): from the next prepare every block is placed
+        on the device. Waits for the moves in flight."""
         if self._impl is not None:
             self._impl.synchronize()  # a mode switch waits for every move in flight
             self._impl.disable()
 
     @_compat.compiler_disable
     def enable_block_swap(self):
+        """Swaps again from the next prepare. Waits for the moves in flight."""
         if self._impl is not None:
             self._impl.synchronize()
             self._impl.enable()
 
     @_compat.compiler_disable
     def set_forward_only(self, forward_only):
+        """``True``: inference passes (the swapped blocks rotate through a few slots; no
+        backward); ``False``: training passes. Waits for the moves in flight; call
+        prepare_block_devices_before_forward() after it."""
         if forward_only is False and not self.supports_backward and self._impl is not None:
             raise ValueError(f"[{self.block_type}] set_forward_only(False) needs "
                              "supports_backward=True")
@@ -291,6 +349,30 @@ class ModelOffloader:
         if self._impl is not None:
             self._impl.synchronize()
             self._impl.set_forward_only(self.forward_only)
+
+    def _check_same_blocks(self, blocks, verb):
+        given = list(blocks)
+        if len(given) != len(self.blocks) or any(a is not b for a, b in zip(given, self.blocks)):
+            raise InvalidArgumentError(f"[{self.block_type}] {verb}(blocks): these are not the "
+                                       "blocks this offloader was built with")
+
+    def _release_for_cast(self):
+        """A cast reached this offloader's blocks (Note [casting a managed model])."""
+        if self.optimizer is not None:
+            raise InvalidArgumentError(
+                f"[{self.block_type}] the model is being cast to another dtype while this "
+                "offloader swaps its blocks with a fused optimizer, whose state is in the "
+                "blocks' memory: close() the offloader, cast, and build a new one (with "
+                "optimizer.state_dict() saved before and loaded after)")
+        self.close()
+        self._rebuild = True
+
+    def _build_again(self):
+        args, kwargs = self._arguments
+        forward_only = self.forward_only
+        self.__init__(*args, **kwargs)
+        if self.forward_only != forward_only:
+            self.set_forward_only(forward_only)
 
     # Extras.
 
@@ -306,6 +388,7 @@ class ModelOffloader:
         self._impl.discard_accumulated_gradients()
 
     def is_resident(self, block_idx):
+        """Whether block ``block_idx``'s weights are on the device now."""
         if self._impl is None:
             return True
         return self._impl.is_resident(block_idx)
@@ -318,6 +401,7 @@ class ModelOffloader:
         return self._impl.stats()
 
     def reset_stats(self):
+        """Sets the counters of stats() to zero (device_bytes stays)."""
         if self._impl is not None:
             self._impl.reset_stats()
 
@@ -354,6 +438,7 @@ class ModelOffloader:
             self._impl.set_optimizer_steps(block_idx, parameter, int(steps))
 
     def synchronize(self):
+        """Waits for every copy in flight."""
         if self._impl is not None:
             self._impl.synchronize()
 
@@ -367,6 +452,7 @@ class ModelOffloader:
             self.optimizer._detach()
         impl, self._impl = self._impl, None
         _peft.release(self)
+        _module_casts.release(self)
         if impl is not None:
             impl.close()
             if self._trace is not None:

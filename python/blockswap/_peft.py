@@ -23,7 +23,7 @@ import weakref as _weakref
 
 import torch as _torch
 
-# tuner layer -> the offloader that swaps its block
+# tuner layer -> weak reference to the offloader that swaps its block
 _managed = _weakref.WeakKeyDictionary()
 _patched = set()
 
@@ -33,6 +33,11 @@ def _tuner_layer_class():
     return getattr(tuners, "BaseTunerLayer", None) if tuners is not None else None
 
 
+def _owner(layer):
+    reference = _managed.get(layer)
+    return reference() if reference is not None else None
+
+
 def _base_tensors(layer):
     return [p for _, p in layer.get_base_layer().named_parameters(recurse=False)
             if not p.requires_grad]
@@ -40,7 +45,7 @@ def _base_tensors(layer):
 
 def _merge(original):
     def merge(self, *args, **kwargs):
-        offloader = _managed.get(self)
+        offloader = _owner(self)
         if offloader is None or not offloader._active:
             return original(self, *args, **kwargs)
         offloader.synchronize()
@@ -58,7 +63,7 @@ def _merge(original):
 
 def _unmerge(original):
     def unmerge(self, *args, **kwargs):
-        offloader = _managed.get(self)
+        offloader = _owner(self)
         if offloader is None or not offloader._active:
             return original(self, *args, **kwargs)
         offloader.synchronize()
@@ -88,10 +93,10 @@ def manage(offloader, blocks):
                 cls.merge = _merge(cls.merge)
                 cls.unmerge = _unmerge(cls.unmerge)
                 _patched.add(cls)
-            _managed[module] = offloader
+            _managed[module] = _weakref.ref(offloader)
 
 
 def release(offloader):
-    for module in [m for m, o in _managed.items() if o is offloader]:
+    for module in [m for m, r in _managed.items() if r() is offloader or r() is None]:
         del _managed[module]
     offloader._merge_originals.clear()
