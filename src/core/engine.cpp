@@ -285,9 +285,11 @@ void Engine::leave(int64_t block, Compute compute) {
   impl_->check_block(block);
   if (impl_->recompute_pass(block, compute)) return;
   Impl::BlockState& state = impl_->blocks_[block];
-  BLOCKSWAP_CHECK(state.slot < 0 || state.ready, "[", impl_->label_, "] block ", block,
-                  " was computed before its load was waited for: call wait_for_block(", block,
-                  ") before the block's forward");
+  // A block submitted before its load was waited for was skipped (musubi-tuner's skip-layer
+  // guidance submits a block it neither waits for nor runs): its slot is done with once its
+  // load is. (A block computed without the wait read its host copy: on a GPU torch refuses
+  // that at once; on the emulated device it reads the true values.)
+  if (state.slot >= 0 && !state.ready) impl_->wait_locked(block);
   if (state.slot >= 0) state.computed_in = impl_->slots_[state.slot].memory.get();
   state.forwarded = true;
   if (!impl_->enabled_) return;
