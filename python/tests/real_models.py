@@ -112,7 +112,7 @@ def infer(model, kind, offloaders=(), seed=1):
         return model(**inputs(kind, seed), return_dict=False)[0]
 
 
-def train(model, kind, offloaders=(), steps=3, reentrant_inputs=False):
+def train(model, kind, offloaders=(), steps=3, reentrant_inputs=False, after_step=None):
     """AdamW steps on the adapters; every loss, input gradient, adapter gradient, and the
     adapters after the last step."""
     params = adapters(model)
@@ -133,6 +133,8 @@ def train(model, kind, offloaders=(), steps=3, reentrant_inputs=False):
         seen += [p.grad.clone() for p in params]
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step)
     model.eval()
     return seen + [p.detach().clone() for p in params]
 

@@ -49,3 +49,76 @@ def test_compiled_blocks_infer_exactly_while_swapping():
                                       False) as offloader:
             got = compiled_forward(blocks, offloader)(x)
     assert torch.equal(expected, got)
+
+
+# diffusers' model classes, compiled as the trainers compile them, through AOTAutograd
+# (backend "aot_eager": dynamo's graphs and autograd's joint graph, without a code generator).
+
+from real_models import BLOCK_LISTS, build, swap  # noqa: E402
+from real_models import infer as infer_model  # noqa: E402
+from real_models import train as train_model  # noqa: E402
+
+
+class CountingBackend:
+    """aot_eager, counting the graphs dynamo hands it: each one is a compilation."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
+@pytest.mark.parametrize("kind", ["flux", "wan"])
+def test_blocks_compiled_one_by_one_swap_exactly_and_never_recompile(kind):
+    """musubi-tuner, sd-scripts, OneTrainer and diffusers' compile_repeated_blocks compile each
+    block; swapping rebinds the blocks' tensors to other memory of the same size, stride and
+    offset, so the graphs' guards hold: no recompilation after the first step."""
+    torch._dynamo.reset()
+    eager = build(kind)
+    expected = train_model(eager, kind, steps=3) + [infer_model(eager, kind) for _ in range(2)]
+    model = build(kind)
+    backend = CountingBackend()
+    for name in BLOCK_LISTS[kind]:
+        for block in getattr(model, name):
+            block.compile(backend=backend)
+    offloaders = swap(model, kind, 2)
+    graphs = []
+    got = train_model(model, kind, offloaders, steps=3,
+                      after_step=lambda step: graphs.append(backend.graphs))
+    for o in offloaders:
+        o.set_forward_only(True)
+    got += [infer_model(model, kind, offloaders)]
+    graphs.append(backend.graphs)
+    got += [infer_model(model, kind, offloaders)]
+    graphs.append(backend.graphs)
+    for o in offloaders:
+        o.close()
+    torch._dynamo.reset()
+    assert_bitwise(expected, got)
+    assert graphs[0] > 0
+    assert graphs[1:3] == [graphs[0]] * 2, f"swapping made dynamo recompile: {graphs}"
+    assert graphs[4] == graphs[3], f"the second sample recompiled: {graphs}"
+
+
+def test_the_whole_model_compiled_as_diffusion_pipe_does():
+    """compile(dynamic=True) over the whole model: the offloader's hooks break the graph (they
+    are excluded from tracing), the blocks compile between them."""
+    torch._dynamo.reset()
+    kind = "wan"
+    eager = build(kind)
+    expected = train_model(eager, kind, steps=2) + [infer_model(eager, kind)]
+    model = build(kind)
+    offloaders = swap(model, kind, 2)
+    backend = CountingBackend()
+    model.compile(dynamic=True, backend=backend)
+    got = train_model(model, kind, offloaders, steps=2)
+    for o in offloaders:
+        o.set_forward_only(True)
+    got += [infer_model(model, kind, offloaders)]
+    for o in offloaders:
+        o.close()
+    torch._dynamo.reset()
+    assert backend.graphs > 0
+    assert_bitwise(expected, got)
