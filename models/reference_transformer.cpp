@@ -248,6 +248,10 @@ TransformerConfig checked_config(const std::string& path, const SafetensorsHeade
 
 } // namespace
 
+TransformerConfig ReferenceTransformer::config_of(const std::string& path) {
+  return checked_config(path, read_safetensors_header(path));
+}
+
 ReferenceTransformer ReferenceTransformer::load(const std::string& path, int64_t adapter_rank) {
   const SafetensorsHeader header = read_safetensors_header(path);
   TransformerConfig config = checked_config(path, header);

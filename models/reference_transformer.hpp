@@ -55,6 +55,8 @@ public:
   // block index or a malformed `heads` metadata value. A file without adapters gets fresh
   // (deterministic) adapters of rank `adapter_rank` when it is positive, for training.
   static ReferenceTransformer load(const std::string& path, int64_t adapter_rank = 0);
+  // The configuration a file holds (blocks, hidden, heads, adapter rank), from its header alone.
+  static TransformerConfig config_of(const std::string& path);
   void save(const std::string& path) const;
 
   const TransformerConfig& config() const { return config_; }

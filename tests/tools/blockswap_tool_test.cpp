@@ -566,6 +566,9 @@ TEST(Run, TraceHasComputeAndCopyTracks) {
   EXPECT_GE(copy, 4 * 4);    // 2K = 4 loads per step
 }
 
+void expect_one_line_error(const Result& r, const std::vector<std::string>& parts,
+                           const std::string& what);
+
 TEST(Run, WeightsRoundTripThroughSafetensors) {
   const fs::path weights = scratch() / "reference.safetensors";
   const std::string size = " --blocks 3 --hidden 64 --heads 2 --tokens 8 --json";
@@ -578,6 +581,16 @@ TEST(Run, WeightsRoundTripThroughSafetensors) {
   EXPECT_EQ(out["blocks"], 3);
   EXPECT_EQ(out["hidden"], 64);
   EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+  // The file says the shape: a given --blocks, --hidden or --heads agrees with it or is refused.
+  const Result agreeing = run_tool("run --mode train" + size + " --weights " + weights.string());
+  ASSERT_EQ(agreeing.exit_code, 0) << agreeing.err;
+  for (const auto& [option, in_file] : {std::pair{"--blocks 4", "which has 3 blocks"},
+                                        {"--hidden 128", "which has 64 as its hidden size"},
+                                        {"--heads 4", "which has 2 attention heads"}}) {
+    const Result r = run_tool(std::string("run --tokens 8 ") + option + " --weights " +
+                              weights.string());
+    expect_one_line_error(r, {option, "disagrees with --weights", in_file}, option);
+  }
 }
 
 // A failure as the tool reports every one: a non-zero exit and one line, "blockswap: error: …",

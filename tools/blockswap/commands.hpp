@@ -16,6 +16,9 @@ struct RunArgs {
   std::optional<int64_t> swap; // none: half the blocks, within the valid range
   int64_t hidden = 384;
   int64_t heads = 6;
+  // Which of the three were given: with --weights, the file says the shape, and a given value
+  // must agree with it.
+  bool blocks_given = false, hidden_given = false, heads_given = false;
   int64_t tokens = 256;
   int64_t lora_rank = 8;
   int steps = 5;
@@ -60,6 +63,9 @@ struct BenchArgs {
 
 // K from --swap, or half the blocks, within 0 <= K <= Schedule::max_blocks_to_swap(N, mode).
 int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode);
+
+// With --weights: --blocks, --hidden and --heads, where given, agree with the file.
+void check_shape_agrees_with_weights(const RunArgs& args);
 
 int run_command(const RunArgs& args);
 // `run --ranks R`: launches R processes of this executable (`argv`), one rank each, and reports

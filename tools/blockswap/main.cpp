@@ -183,6 +183,9 @@ int main(int argc, char** argv) {
     return e.get_exit_code();
   }
   if (run_cmd->count("--swap") > 0) run.swap = swap;
+  run.blocks_given = run_cmd->count("--blocks") > 0;
+  run.hidden_given = run_cmd->count("--hidden") > 0;
+  run.heads_given = run_cmd->count("--heads") > 0;
 
   try {
     if (*plan_cmd) return plan_command(plan);

@@ -315,6 +315,7 @@ int ranks_command(const RunArgs& args, char** argv) {
                   "--trace and --save-weights are for one process: leave them out with --ranks");
   BLOCKSWAP_CHECK(!args.weights.empty() || args.hidden % args.heads == 0, "--hidden ", args.hidden,
                   " is not divisible by --heads ", args.heads);
+  check_shape_agrees_with_weights(args);
   BLOCKSWAP_CHECK(args.kill_rank < args.ranks, "--kill-rank ", args.kill_rank,
                   " is not a rank of --ranks ", args.ranks);
   BLOCKSWAP_CHECK(args.steps >= 2 || args.kill_rank < 0,

@@ -44,6 +44,20 @@ c10::Device checked_device(const std::string& name) {
 
 } // namespace
 
+void check_shape_agrees_with_weights(const RunArgs& args) {
+  if (args.weights.empty()) return;
+  const models::TransformerConfig file = ReferenceTransformer::config_of(args.weights);
+  auto agree = [&](bool given, const char* option, int64_t value, int64_t in_file,
+                   const char* what) {
+    BLOCKSWAP_CHECK(!given || value == in_file, option, " ", value, " disagrees with --weights ",
+                    args.weights, ", which has ", in_file, " ", what, ": leave ", option,
+                    " out (the file says the model's shape) or give ", in_file);
+  };
+  agree(args.blocks_given, "--blocks", args.blocks, file.blocks, "blocks");
+  agree(args.hidden_given, "--hidden", args.hidden, file.hidden, "as its hidden size");
+  agree(args.heads_given, "--heads", args.heads, file.heads, "attention heads");
+}
+
 int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
   const int64_t max_k = Schedule::max_blocks_to_swap(blocks, mode);
   if (!args.swap) return std::min(blocks / 2, max_k);
@@ -112,6 +126,7 @@ int run_command(const RunArgs& args) {
     BLOCKSWAP_CHECK(args.hidden % args.heads == 0, "--hidden ", args.hidden,
                     " is not divisible by --heads ", args.heads);
   }
+  check_shape_agrees_with_weights(args);
   const c10::Device device = checked_device(args.device);
   if (!args.trace.empty()) check_writable("--trace", args.trace);
   check_host_memory(args, train, device.is_cpu(), work == Work::finetune);
