@@ -587,8 +587,8 @@ TEST(Run, WeightsRoundTripThroughSafetensors) {
   for (const auto& [option, in_file] : {std::pair{"--blocks 4", "which has 3 blocks"},
                                         {"--hidden 128", "which has 64 as its hidden size"},
                                         {"--heads 4", "which has 2 attention heads"}}) {
-    const Result r = run_tool(std::string("run --tokens 8 ") + option + " --weights " +
-                              weights.string());
+    const Result r =
+        run_tool(std::string("run --tokens 8 ") + option + " --weights " + weights.string());
     expect_one_line_error(r, {option, "disagrees with --weights", in_file}, option);
   }
 }
