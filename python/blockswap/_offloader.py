@@ -64,6 +64,14 @@ def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=
                           link, _integer(where, "capacity_bytes", capacity_bytes))
 
 
+def _sentinel(block):
+    """(module, name, parameter) of a block's first parameter, or None."""
+    for name, p in block.named_parameters():
+        prefix, _, key = name.rpartition(".")
+        return (block.get_submodule(prefix) if prefix else block, key, p)
+    return None
+
+
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -201,6 +209,9 @@ class ModelOffloader:
         self.blocks_to_swap = self._impl.blocks_to_swap()
         _peft.manage(self, self.blocks)
         _module_casts.manage(self, self.blocks)
+        # Note [replaced parameters]: what was packed, and one parameter a block to check cheaply.
+        self._packed = [[p for _, p in block.named_parameters()] for block in self.blocks]
+        self._sentinels = [_sentinel(block) for block in self.blocks]
         for i, block in enumerate(self.blocks):
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
@@ -284,6 +295,8 @@ class ModelOffloader:
         offloader's."""
         if blocks is not None and self._impl is not None:
             self._check_same_blocks(blocks, "prepare_block_devices_before_forward")
+        if self._impl is not None and self._parameters_replaced():
+            self._adopt_replaced_parameters()
         if self._rebuild:
             self._build_again()
         if self._impl is not None:
@@ -299,6 +312,13 @@ class ModelOffloader:
         if self._rebuild:
             self._build_again()
         if self._impl is not None:
+            sentinel = self._sentinels[block_idx]
+            if sentinel is not None and sentinel[0]._parameters.get(sentinel[1]) is not sentinel[2]:
+                raise _C.Error(
+                    f"[{self.block_type}] block {block_idx}'s parameters were replaced by other "
+                    "Parameter objects (load_state_dict(assign=True), or an assignment) since "
+                    "the offloader packed them: call prepare_block_devices_before_forward() "
+                    "after replacing them, and blockswap takes the new ones")
             self._impl.wait_for_block(block_idx)
 
     @_compat.compiler_disable
@@ -355,6 +375,25 @@ class ModelOffloader:
         if len(given) != len(self.blocks) or any(a is not b for a, b in zip(given, self.blocks)):
             raise InvalidArgumentError(f"[{self.block_type}] {verb}(blocks): these are not the "
                                        "blocks this offloader was built with")
+
+    # Note [replaced parameters]
+    # load_state_dict(assign=True) (musubi-tuner switches Wan 2.2's experts so) and plain
+    # assignment put other Parameter objects into the blocks; blockswap swaps the ones it packed.
+    # prepare_block_devices_before_forward() sees the replacement and builds the offloader again
+    # over the new ones; wait_for_block(i) checks one parameter of block i and raises.
+    def _parameters_replaced(self):
+        return any(len(packed) != len(now) or any(a is not b for a, b in zip(packed, now))
+                   for packed, now in zip(self._packed, (
+                       [p for _, p in block.named_parameters()] for block in self.blocks)))
+
+    def _adopt_replaced_parameters(self):
+        if self.optimizer is not None:
+            raise InvalidArgumentError(
+                f"[{self.block_type}] the blocks' parameters were replaced by other Parameter "
+                "objects while a fused optimizer steps them: close() the offloader and build "
+                "a new one with an optimizer over the new parameters")
+        self.close()
+        self._build_again()
 
     def _release_for_cast(self):
         """A cast reached this offloader's blocks (Note [casting a managed model])."""

@@ -130,3 +130,22 @@ def test_help_documents_every_argument_and_verb():
     for name, member in inspect.getmembers(blockswap.ModelOffloader):
         if not name.startswith("_") and callable(member):
             assert inspect.getdoc(member), f"{name} has no docstring"
+
+
+def test_parameters_replaced_by_load_state_dict_assign_are_taken_at_the_next_prepare():
+    """musubi-tuner switches Wan 2.2's experts with load_state_dict(assign=True)."""
+    kind = "wan"
+    high, low = build(kind, seed=0), build(kind, seed=5)
+    model = build(kind, seed=0)
+    offloaders = swap(model, kind, 2, supports_backward=False)
+    assert torch.equal(infer(high, kind), infer(model, kind, offloaders))
+    model.load_state_dict(low.state_dict(), assign=True)
+    assert torch.equal(infer(low, kind), infer(model, kind, offloaders))  # prepare takes them
+    assert offloaders[0].stats()["h2d_bytes"] > 0
+    # Without a prepare in between, the wait names the mistake.
+    model.load_state_dict(high.state_dict(), assign=True)
+    with pytest.raises(blockswap.Error, match="replaced by other Parameter objects"):
+        with torch.no_grad():
+            model(**__import__("real_models").inputs(kind), return_dict=False)
+    assert torch.equal(infer(high, kind), infer(model, kind, offloaders))
+    offloaders[0].close()
