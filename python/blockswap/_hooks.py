@@ -78,14 +78,24 @@ class WaitHook(_Hook):
     @_compat.compiler_disable
     def __call__(self, module, inputs):
         offloader = self._offloader(module)
-        if offloader is not None:
-            offloader.wait_for_block(self._index)
+        if offloader is None:
+            return
+        i = self._index
+        # Blocks the model's forward skipped since the last one that ran (skip-layer guidance,
+        # SD3's skip_layers) are submitted now, as musubi-tuner submits a skipped block: no
+        # hook saw them. Blocks seen again in decreasing order are a new pass or a recompute.
+        for skipped in range(offloader._next_block, i):
+            offloader._impl.bracket_outputs(skipped, [])
+            offloader.submit_move_blocks_forward(skipped)
+        offloader._next_block = i + 1
+        offloader.wait_for_block(i)
 
 
 class OutputHook(_Hook):
     """A forward hook: block i's outputs, bracketed in autograd, so that before the block's
-    backward runs its weights are brought back where its forward's saved tensors point; then,
-    with hook_blocks=True, submit_move_blocks_forward(i)."""
+    backward runs its weights are brought back where its forward's saved tensors point (an
+    inference offloader's too: a backward through it loads blocks on demand); then, with
+    hook_blocks=True, submit_move_blocks_forward(i)."""
     __slots__ = ("_submit",)
 
     def __init__(self, offloader, block, index, submit):
@@ -99,15 +109,14 @@ class OutputHook(_Hook):
             return None
         rebuilt = None
         impl = offloader._impl
-        if offloader.supports_backward:
-            if not _torch.is_grad_enabled():
-                # No backward can reach these outputs: the submit may be outside no_grad.
-                impl.bracket_outputs(self._index, [])
-            else:
-                tensors = []
-                _flatten(output, tensors)
-                if tensors:
-                    rebuilt = _rebuild(output, iter(impl.bracket_outputs(self._index, tensors)))
+        if not _torch.is_grad_enabled():
+            # No backward can reach these outputs: the submit may be outside no_grad.
+            impl.bracket_outputs(self._index, [])
+        else:
+            tensors = []
+            _flatten(output, tensors)
+            if tensors:
+                rebuilt = _rebuild(output, iter(impl.bracket_outputs(self._index, tensors)))
         if self._submit:
             offloader.submit_move_blocks_forward(self._index)
         return rebuilt

@@ -3,6 +3,7 @@ hooks that bracket each block's outputs in autograd, and open_device."""
 
 import operator as _operator
 import os as _os
+import warnings as _warnings
 
 import torch as _torch
 
@@ -147,7 +148,10 @@ class ModelOffloader:
         self._impl = None
         self._hooks = []
         self._merge_originals = {}  # Note [peft merges]
+        self._merge_adapters = {}
         self._submitted = set()  # blocks submitted since the last prepare (for its message)
+        self._next_block = 0  # hook_blocks: the block expected next (skipped blocks)
+        self._closed = False
         self._trace = trace
         if not isinstance(block_type, str):
             raise InvalidArgumentError(f"block_type must be a str (the blocks' label), got "
@@ -209,6 +213,8 @@ class ModelOffloader:
         self.blocks_to_swap = self._impl.blocks_to_swap()
         _peft.manage(self, self.blocks)
         _module_casts.manage(self, self.blocks)
+        if optimizer is None and self.blocks_to_swap > 0:
+            self._warn_if_nothing_swaps()
         # Note [replaced parameters]: what was packed, and one parameter a block to check cheaply.
         self._packed = [[p for _, p in block.named_parameters()] for block in self.blocks]
         self._sentinels = [_sentinel(block) for block in self.blocks]
@@ -216,9 +222,9 @@ class ModelOffloader:
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
                     _hooks.WaitHook(self, block, i)))
-            if hook_blocks or self.supports_backward:
-                self._hooks.append(block.register_forward_hook(
-                    _hooks.OutputHook(self, block, i, submit=hook_blocks)))
+            # With supports_backward=False too: a backward may still come (loads on demand).
+            self._hooks.append(block.register_forward_hook(
+                _hooks.OutputHook(self, block, i, submit=hook_blocks)))
 
     def _options(self, **fields):
         """An Options with each field set (python/src/module.cpp binds them by name). A value
@@ -293,6 +299,8 @@ class ModelOffloader:
         """Places the blocks for a pass: call before each forward pass (after a mode switch
         too). ``blocks``: musubi-tuner passes the block list again; it must be this
         offloader's."""
+        if self._closed and self._impl is None and not self._rebuild:
+            self._after_close("prepare_block_devices_before_forward()")
         if blocks is not None and self._impl is not None:
             self._check_same_blocks(blocks, "prepare_block_devices_before_forward")
         if self._impl is not None and self._parameters_replaced():
@@ -304,15 +312,18 @@ class ModelOffloader:
                 self._impl.set_optimizer(self.optimizer._kind, self.optimizer._hyper())
             self._impl.prepare()
             self._submitted.clear()
+            self._next_block = 0
 
     @_compat.compiler_disable
     def wait_for_block(self, block_idx):
         """Makes compute wait until block ``block_idx`` is on the device: call just before the
         block runs."""
+        if self._closed and self._impl is None and not self._rebuild:
+            self._after_close("wait_for_block()")
         if self._rebuild:
             self._build_again()
         if self._impl is not None:
-            sentinel = self._sentinels[block_idx]
+            sentinel = self._sentinels[block_idx] if 0 <= block_idx < len(self.blocks) else None
             if sentinel is not None and sentinel[0]._parameters.get(sentinel[1]) is not sentinel[2]:
                 raise _C.Error(
                     f"[{self.block_type}] block {block_idx}'s parameters were replaced by other "
@@ -325,10 +336,19 @@ class ModelOffloader:
     def submit_move_blocks_forward(self, *args):
         """Starts the moves that follow block ``i``'s run: call just after it ran.
         ``submit_move_blocks_forward(i)``, or ``(blocks, i)`` as musubi-tuner calls it."""
+        if self._closed and self._impl is None and not self._rebuild:
+            self._after_close("submit_move_blocks_forward()")
         block_idx = args[-1]
         if self._rebuild:
             self._build_again()
         if self._impl is not None:
+            if len(args) == 2 and 0 <= block_idx < len(self.blocks):  # musubi-tuner's (blocks, i)
+                try:
+                    same = args[0][block_idx] is self.blocks[block_idx]
+                except (IndexError, KeyError, TypeError):
+                    same = False
+                if not same:
+                    self._check_same_blocks(args[0], "submit_move_blocks_forward")
             try:
                 self._impl.submit(block_idx)
             except _C.Error as e:
@@ -369,6 +389,28 @@ class ModelOffloader:
         if self._impl is not None:
             self._impl.synchronize()
             self._impl.set_forward_only(self.forward_only)
+
+    def _warn_if_nothing_swaps(self):
+        """Trainable parameters stay on the device without an optimizer: a model left
+        trainable (from_pretrained's default) would swap nothing."""
+        frozen = trainable = 0
+        for block in self.blocks:
+            for p in block.parameters():
+                if p.requires_grad:
+                    trainable += p.numel() * p.element_size()
+                else:  # (a wrapper subclass: about a byte an element, its inner data's)
+                    frozen += p.numel() * (1 if _block_tensors.is_wrapper(p) else p.element_size())
+        if trainable > 4 * frozen:  # not adapters beside their base: the base left trainable
+            _warnings.warn(
+                f"[{self.block_type}] {trainable} bytes of these blocks' parameters require "
+                f"grad and stay on the device, against {frozen} bytes of frozen weights that "
+                "swap: without an optimizer blockswap swaps frozen weights only. Freeze the base "
+                "weights first (model.requires_grad_(False), then the adapters), or give a "
+                "blockswap.FusedAdamW to train them all", stacklevel=3)
+
+    def _after_close(self, verb):
+        raise _C.Error(f"[{self.block_type}] {verb} after close(): this offloader no longer holds "
+                       "its blocks (they are ordinary modules again); build a new ModelOffloader")
 
     def _check_same_blocks(self, blocks, verb):
         given = list(blocks)
@@ -490,6 +532,7 @@ class ModelOffloader:
         if self.optimizer is not None and self.optimizer.offloader is self:
             self.optimizer._detach()
         impl, self._impl = self._impl, None
+        self._closed = self._closed or impl is not None
         _peft.release(self)
         _module_casts.release(self)
         if impl is not None:

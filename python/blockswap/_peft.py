@@ -10,9 +10,11 @@ each managed tuner layer's merge first rebinds its base weights to a private cop
 true values, on the device the adapter is on; peft merges into that copy, and blockswap, which
 sees the rebinding, takes the merged values into the host copy and the slot at the block's next
 move (Note [changed tensors] in block_binder.cpp). The merged sample is the one peft computes
-without blockswap, bit for bit. The first merge keeps the weights' original values, and unmerge
-puts them back exactly: the host copy ends as it was, where peft's own subtraction would leave
-rounding behind.
+without blockswap, bit for bit. The first merge keeps the weights' original values, and an unmerge
+with nothing written since (the base weights and the adapters keep autograd's version) puts them
+back exactly: the host copy ends as it was, where peft's own subtraction would leave rounding
+behind. Otherwise (weights loaded while merged, adapters changed, a merge from before the
+offloader) the unmerge is peft's own subtraction, into a private copy too, as without blockswap.
 
 The layer classes are patched once, and the patch does nothing for a layer no live offloader
 holds: copies (``copy.deepcopy``), pickles and models without blockswap see peft's own methods.
@@ -43,19 +45,38 @@ def _base_tensors(layer):
             if not p.requires_grad]
 
 
+def _adapter_tensors(layer, base):
+    return [q for q in layer.parameters() if all(q is not b for b in base)]
+
+
+def _private_copies(layer, base):
+    """Rebinds the base weights to private copies of their true values, on the adapters'
+    device: peft's write through .data lands there, and blockswap sees the rebinding."""
+    adapters = _adapter_tensors(layer, base)
+    device = adapters[0].device if adapters else None
+    for p in base:
+        p.data = p.detach().to(device or p.device, copy=True)
+
+
 def _merge(original):
     def merge(self, *args, **kwargs):
         offloader = _owner(self)
         if offloader is None or not offloader._active:
             return original(self, *args, **kwargs)
         offloader.synchronize()
-        device = next((p.device for p in self.parameters() if p.requires_grad), None)
+        base = _base_tensors(self)
         originals = offloader._merge_originals
-        for p in _base_tensors(self):
+        for p in base:
             if id(p) not in originals:
-                originals[id(p)] = (p, p.detach().to("cpu", copy=True))
-            p.data = p.detach().to(device or p.device, copy=True)  # Note [peft merges]
-        return original(self, *args, **kwargs)
+                originals[id(p)] = [p, p.detach().to("cpu", copy=True), None]
+        _private_copies(self, base)
+        result = original(self, *args, **kwargs)
+        # What a later unmerge checks: nobody wrote the weights or the adapters since.
+        for p in base:
+            originals[id(p)][2] = p._version
+        offloader._merge_adapters[id(self)] = [(q, q._version)
+                                               for q in _adapter_tensors(self, base)]
+        return result
 
     merge.__wrapped__ = original
     return merge
@@ -67,12 +88,20 @@ def _unmerge(original):
         if offloader is None or not offloader._active:
             return original(self, *args, **kwargs)
         offloader.synchronize()
+        base = _base_tensors(self)
+        originals = offloader._merge_originals
+        adapters = offloader._merge_adapters.pop(id(self), None)
+        untouched = (adapters is not None and all(q._version == v for q, v in adapters)
+                     and all(id(p) in originals and originals[id(p)][2] == p._version
+                             for p in base))
+        _private_copies(self, base)
         result = original(self, *args, **kwargs)
-        if not self.merged:  # every adapter of the layer is out: the original values come back
-            for p in _base_tensors(self):
-                saved = offloader._merge_originals.pop(id(p), None)
-                if saved is not None:
-                    p.data = saved[1].to(p.device, copy=True)
+        for p in base:
+            saved = originals.pop(id(p), None)
+            # Nothing written since the merge: the original values come back exactly. Else
+            # peft's subtraction stands, as without blockswap.
+            if untouched and saved is not None and not self.merged:
+                p.data = saved[1].to(p.device, copy=True)
         return result
 
     unmerge.__wrapped__ = original
@@ -100,3 +129,4 @@ def release(offloader):
     for module in [m for m, r in _managed.items() if r() is offloader or r() is None]:
         del _managed[module]
     offloader._merge_originals.clear()
+    offloader._merge_adapters.clear()

@@ -149,3 +149,40 @@ def test_parameters_replaced_by_load_state_dict_assign_are_taken_at_the_next_pre
             model(**__import__("real_models").inputs(kind), return_dict=False)
     assert torch.equal(infer(high, kind), infer(model, kind, offloaders))
     offloaders[0].close()
+
+
+def test_blocks_left_trainable_warn_that_nothing_swaps(cpu):
+    blocks = make_blocks(4)
+    for block in blocks:
+        block.requires_grad_(True)  # as from_pretrained leaves a model
+    with pytest.warns(UserWarning, match="require grad and stay on the device"):
+        offloader = blockswap.ModelOffloader("blocks", blocks, 4, 2, True, cpu, False)
+    offloader.close()
+
+
+def test_verbs_after_close_say_so_and_index_mistakes_are_named(cpu):
+    blocks = make_blocks(4)
+    offloader = blockswap.ModelOffloader("blocks", blocks, 4, 2, True, cpu, False)
+    for wrong in (4, 100, -1):
+        with pytest.raises(blockswap.Error, match="out of range"):
+            offloader.wait_for_block(wrong)
+    offloader.prepare_block_devices_before_forward()
+    with torch.no_grad():
+        offloader.wait_for_block(0)
+        blocks[0](torch.randn(1, DIM))
+        with pytest.raises(blockswap.InvalidArgumentError, match="not the blocks"):
+            offloader.submit_move_blocks_forward(list(reversed(blocks)), 0)
+        offloader.submit_move_blocks_forward(blocks, 0)
+    offloader.close()
+    for verb in (offloader.prepare_block_devices_before_forward,
+                 lambda: offloader.wait_for_block(0),
+                 lambda: offloader.submit_move_blocks_forward(0)):
+        with pytest.raises(blockswap.Error, match="after close"):
+            verb()
+
+
+def test_an_inference_offloader_trains_exactly_when_a_backward_comes(cpu):
+    blocks = make_blocks(6)
+    reference = twin(blocks)
+    with blockswap.ModelOffloader("blocks", blocks, 6, 3, False, cpu, False) as offloader:
+        assert_bitwise(train(reference), train(blocks, offloader=offloader))

@@ -82,3 +82,31 @@ def test_copies_and_models_without_blockswap_merge_as_peft_does():
     assert torch.equal(infer(plain, kind), infer(ema, kind))
     for offloader in offloaders:
         offloader.close()
+
+
+@pytest.mark.parametrize("when", ["merged before the offloader", "written while merged",
+                                  "adapters changed while merged"])
+def test_unmerges_that_cannot_restore_are_peft_s_own_subtraction(when):
+    kind = "wan"
+    reference, model = build(kind), build(kind)
+    if when == "merged before the offloader":
+        merge(reference)
+        merge(model)
+    offloaders = swap(model, kind, 2, supports_backward=False)
+    assert torch.equal(infer(reference, kind), infer(model, kind, offloaders))
+    if when != "merged before the offloader":
+        merge(reference)
+        merge(model)
+    for m in (reference, model):
+        with torch.no_grad():
+            if when == "written while merged":
+                m.blocks[1].attn1.to_q.base_layer.weight.mul_(0.5)
+            elif when == "adapters changed while merged":
+                m.blocks[0].attn1.to_q.lora_B["default"].weight.mul_(2)
+    assert torch.equal(infer(reference, kind), infer(model, kind, offloaders))
+    unmerge(reference)
+    unmerge(model)
+    for seed in (1, 2):  # the resident blocks, and the swapped ones after their next load
+        assert torch.equal(infer(reference, kind, seed=seed), infer(model, kind, offloaders, seed))
+    for offloader in offloaders:
+        offloader.close()

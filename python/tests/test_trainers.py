@@ -220,3 +220,40 @@ def test_a_real_model_trained_with_prepare_once_and_sampling_in_between():
         for o in offloaders:
             o.close()
     assert_bitwise(*results)
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_a_model_that_skips_blocks_in_its_own_forward_with_hook_blocks(training):
+    """diffusers' SD3Transformer2DModel(skip_layers=…) (StableDiffusion3Pipeline's skip-layer
+    guidance) never calls a skipped block: the next block's wait hook submits it."""
+    import diffusers
+
+    def sd3():
+        torch.manual_seed(0)
+        return diffusers.SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=4, num_layers=6, attention_head_dim=8,
+            num_attention_heads=2, joint_attention_dim=16, caption_projection_dim=16,
+            pooled_projection_dim=16, out_channels=4).requires_grad_(False)
+
+    g = torch.Generator().manual_seed(1)
+    args = dict(hidden_states=torch.randn(1, 4, 8, 8, generator=g),
+                encoder_hidden_states=torch.randn(1, 6, 16, generator=g),
+                pooled_projections=torch.randn(1, 16, generator=g),
+                timestep=torch.tensor([500]), return_dict=False)
+    reference, model = sd3(), sd3()
+    if training:  # gradients reach the input latents through the swapped blocks
+        args["hidden_states"].requires_grad_(True)
+    offloader = blockswap.ModelOffloader("transformer_blocks", list(model.transformer_blocks), 6,
+                                         2, training, torch.device("cpu"), False,
+                                         hook_blocks=True)
+    for skip in (None, [3], [1], [0, 1], [5], [2, 4], None):
+        offloader.prepare_block_devices_before_forward()
+        with torch.set_grad_enabled(training):
+            expected = reference(**args, skip_layers=skip)[0]
+            got = model(**args, skip_layers=skip)[0]
+        assert torch.equal(expected, got), skip
+        if training:
+            a, = torch.autograd.grad(expected.pow(2).mean(), args["hidden_states"])
+            b, = torch.autograd.grad(got.pow(2).mean(), args["hidden_states"])
+            assert torch.equal(a, b), skip
+    offloader.close()
