@@ -58,54 +58,51 @@ def _private_copies(layer, base):
         p.data = p.detach().to(device or p.device, copy=True)
 
 
-def _merge(original):
-    def merge(self, *args, **kwargs):
+def _routed(original, body):
+    """peft's layer method `original`, through ``body(offloader, layer, call)`` for a layer a
+    live offloader swaps (``call()`` runs peft's own), as itself for any other."""
+    def method(self, *args, **kwargs):
         offloader = _owner(self)
         if offloader is None or not offloader._active:
             return original(self, *args, **kwargs)
         offloader.synchronize()
-        base = _base_tensors(self)
-        originals = offloader._merge_originals
-        for p in base:
-            if id(p) not in originals:
-                originals[id(p)] = [p, p.detach().to("cpu", copy=True), None]
-        _private_copies(self, base)
-        result = original(self, *args, **kwargs)
-        # What a later unmerge checks: nobody wrote the weights or the adapters since.
-        for p in base:
-            originals[id(p)][2] = p._version
-        offloader._merge_adapters[id(self)] = [(q, q._version)
-                                               for q in _adapter_tensors(self, base)]
-        return result
+        return body(offloader, self, lambda: original(self, *args, **kwargs))
 
-    merge.__wrapped__ = original
-    return merge
+    method.__wrapped__ = original
+    return method
 
 
-def _unmerge(original):
-    def unmerge(self, *args, **kwargs):
-        offloader = _owner(self)
-        if offloader is None or not offloader._active:
-            return original(self, *args, **kwargs)
-        offloader.synchronize()
-        base = _base_tensors(self)
-        originals = offloader._merge_originals
-        adapters = offloader._merge_adapters.pop(id(self), None)
-        untouched = (adapters is not None and all(q._version == v for q, v in adapters)
-                     and all(id(p) in originals and originals[id(p)][2] == p._version
-                             for p in base))
-        _private_copies(self, base)
-        result = original(self, *args, **kwargs)
-        for p in base:
-            saved = originals.pop(id(p), None)
-            # Nothing written since the merge: the original values come back exactly. Else
-            # peft's subtraction stands, as without blockswap.
-            if untouched and saved is not None and not self.merged:
-                p.data = saved[1].to(p.device, copy=True)
-        return result
+def _merge(offloader, layer, call):
+    base = _base_tensors(layer)
+    originals = offloader._merge_originals
+    for p in base:
+        if id(p) not in originals:
+            originals[id(p)] = [p, p.detach().to("cpu", copy=True), None]
+    _private_copies(layer, base)
+    result = call()
+    # What a later unmerge checks: nobody wrote the weights or the adapters since.
+    for p in base:
+        originals[id(p)][2] = p._version
+    offloader._merge_adapters[id(layer)] = [(q, q._version)
+                                            for q in _adapter_tensors(layer, base)]
+    return result
 
-    unmerge.__wrapped__ = original
-    return unmerge
+
+def _unmerge(offloader, layer, call):
+    base = _base_tensors(layer)
+    originals = offloader._merge_originals
+    adapters = offloader._merge_adapters.pop(id(layer), None)
+    untouched = (adapters is not None and all(q._version == v for q, v in adapters)
+                 and all(id(p) in originals and originals[id(p)][2] == p._version for p in base))
+    _private_copies(layer, base)
+    result = call()
+    for p in base:
+        saved = originals.pop(id(p), None)
+        # Nothing written since the merge: the original values come back exactly. Else peft's
+        # subtraction stands, as without blockswap.
+        if untouched and saved is not None and not layer.merged:
+            p.data = saved[1].to(p.device, copy=True)
+    return result
 
 
 def manage(offloader, blocks):
@@ -119,8 +116,8 @@ def manage(offloader, blocks):
                 continue
             cls = type(module)
             if cls not in _patched and hasattr(cls, "merge") and hasattr(cls, "unmerge"):
-                cls.merge = _merge(cls.merge)
-                cls.unmerge = _unmerge(cls.unmerge)
+                cls.merge = _routed(cls.merge, _merge)
+                cls.unmerge = _routed(cls.unmerge, _unmerge)
                 _patched.add(cls)
             _managed[module] = _weakref.ref(offloader)
 

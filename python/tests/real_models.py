@@ -9,6 +9,7 @@ import torch
 import torch.utils.checkpoint
 
 import blockswap
+from conftest import assert_bitwise  # noqa: F401 (the tests import it from here too)
 
 diffusers = pytest.importorskip("diffusers")
 peft = pytest.importorskip("peft")
@@ -137,13 +138,6 @@ def train(model, kind, offloaders=(), steps=3, reentrant_inputs=False, after_ste
             after_step(step)
     model.eval()
     return seen + [p.detach().clone() for p in params]
-
-
-def assert_bitwise(expected, got):
-    assert len(expected) == len(got)
-    for i, (a, b) in enumerate(zip(expected, got)):
-        assert a.dtype == b.dtype and a.shape == b.shape, i
-        assert torch.equal(a, b), f"#{i}: max diff {(a.float() - b.float()).abs().max().item()}"
 
 
 def base_weights(model, kind=None):
