@@ -1,0 +1,110 @@
+// FileReader: the file tier's reader (DESIGN.md, "Tiers"). Blocks' frozen bytes stay in the
+// model's file; a reader thread reads each requested block, in the order asked, into the next
+// buffer of a small staging ring (pinned, from the backend), from which the copy stream copies
+// it to the device. Host memory stays bounded: the ring, and one aligned bounce area.
+//
+// Reads bypass the page cache (Note [reading past the page cache] in file_reader.cpp), so that
+// host memory stays what blockswap holds and the bandwidth measured is the disk's.
+// Every failure (a read error, a short read, the file changed or truncated under the run) is
+// an Error naming the file and the block, raised by the call that waits for that block; what
+// was read before stays valid.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "blockswap/core/backend.hpp"
+
+namespace blockswap {
+
+// `bytes` bytes of the file from `file_offset` go to offset `to` of the block's packed bytes.
+struct FileRange {
+  uint64_t file_offset = 0;
+  std::size_t bytes = 0;
+  std::size_t to = 0;
+};
+
+// One block's frozen bytes in the file: where each range goes, and the packed size they fill.
+struct FileBlock {
+  std::vector<FileRange> ranges;
+  std::size_t bytes = 0;
+};
+
+// How reads keep out of the page cache.
+enum class CacheBypass {
+  direct, // O_DIRECT where the file system takes it, else `drop`
+  drop,   // buffered reads, each followed by posix_fadvise(POSIX_FADV_DONTNEED)
+};
+
+class FileReader {
+public:
+  // Opens `path` and checks that every range of every block lies inside the file and inside its
+  // block's bytes, and that each staging buffer holds the largest block: Error naming `label`,
+  // the block and the file otherwise. Starts the reader thread.
+  FileReader(std::string path, std::vector<FileBlock> blocks,
+             std::vector<std::shared_ptr<Buffer>> staging, std::string label,
+             CacheBypass bypass = CacheBypass::direct);
+  ~FileReader(); // stops the thread; reads in flight finish first
+
+  FileReader(const FileReader&) = delete;
+  FileReader& operator=(const FileReader&) = delete;
+
+  // Asks for block i to be read, after the blocks asked before: as soon as a staging buffer
+  // is free, the thread reads it (read-ahead as deep as the ring).
+  void request(int64_t block);
+
+  // The oldest requested block, once read: its packed bytes at the buffer's start, valid until
+  // release(). Waits for the read; rethrows its failure.
+  struct Staged {
+    int64_t block = -1;
+    std::shared_ptr<Buffer> buffer;
+  };
+  Staged next();
+  // The buffer of a block next() gave is free again (its copy to the device is done).
+  void release(const Staged& staged);
+
+  // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
+  bool direct() const { return direct_; }
+  uint64_t bytes_read() const;
+  int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
+  const std::string& path() const { return path_; }
+
+private:
+  struct Request {
+    int64_t block;
+    std::shared_ptr<Buffer> buffer; // null until the thread takes a free one
+    bool done = false;
+    std::exception_ptr failure;
+  };
+
+  void run();
+  void read_block(int64_t block, std::byte* into);
+  void check_unchanged(int64_t block) const;
+
+  const std::string path_, label_;
+  const std::vector<FileBlock> blocks_;
+  int fd_ = -1;
+  bool direct_ = false;
+  uint64_t size_ = 0;
+  int64_t modified_ns_ = 0; // the file's mtime when opened
+  std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, nullptr};
+  std::size_t bounce_bytes_ = 0;
+
+  mutable std::mutex mutex_;
+  std::condition_variable changed_;
+  std::vector<std::shared_ptr<Buffer>> free_;
+  std::deque<Request> requests_; // in the order asked; next() takes the front
+  uint64_t bytes_read_ = 0;
+  bool stopping_ = false;
+  std::thread thread_;
+};
+
+} // namespace blockswap

@@ -1,0 +1,231 @@
+#include "blockswap/core/file_reader.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap {
+namespace {
+
+// Note [reading past the page cache]
+// Read through the page cache, a file tier would fill host memory with the file's pages (the
+// kernel keeps them until pressed) and its bandwidth would be memory's on a second pass. With
+// O_DIRECT the disk's DMA writes into our memory and nothing is cached; it needs the file
+// offset, the length and the buffer aligned to the logical block size (4096 covers every disk
+// here), so reads go through an aligned bounce area in windows and the block's tensors are
+// copied out of it. Where the file system refuses O_DIRECT (tmpfs, some network file systems),
+// reads are buffered and each window is dropped from the cache after it is read
+// (posix_fadvise(DONTNEED)): the cache holds at most one window of the file at a time.
+constexpr std::size_t kAlign = 4096;
+constexpr std::size_t kWindow = 8u << 20; // the bounce area: 8 MiB
+
+uint64_t align_down(uint64_t x) { return x / kAlign * kAlign; }
+uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+int64_t modified_ns(const struct stat& s) {
+  return static_cast<int64_t>(s.st_mtim.tv_sec) * 1'000'000'000 + s.st_mtim.tv_nsec;
+}
+
+} // namespace
+
+FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
+                       std::vector<std::shared_ptr<Buffer>> staging, std::string label,
+                       CacheBypass bypass)
+    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)),
+      free_(std::move(staging)) {
+  BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_, "] the file tier needs at least one "
+                           "staging buffer");
+  if (bypass == CacheBypass::direct) {
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    direct_ = fd_ >= 0;
+  }
+  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  BLOCKSWAP_CHECK(fd_ >= 0, "[", label_, "] cannot open '", path_, "': ", std::strerror(errno));
+  struct stat s {};
+  if (::fstat(fd_, &s) != 0) {
+    const int error = errno;
+    ::close(fd_);
+    throw Error(detail::concat("[", label_, "] cannot stat '", path_, "': ", std::strerror(error)));
+  }
+  size_ = static_cast<uint64_t>(s.st_size);
+  modified_ns_ = modified_ns(s);
+  try {
+    std::size_t largest = 0;
+    for (std::size_t b = 0; b < blocks_.size(); ++b) {
+      largest = std::max(largest, blocks_[b].bytes);
+      for (const FileRange& r : blocks_[b].ranges) {
+        BLOCKSWAP_CHECK(r.file_offset <= size_ && r.bytes <= size_ - r.file_offset, "[", label_,
+                        "] block ", b, " needs bytes ", r.file_offset, " to ",
+                        r.file_offset + r.bytes, " of '", path_, "', which has ", size_);
+        BLOCKSWAP_CHECK(r.to <= blocks_[b].bytes && r.bytes <= blocks_[b].bytes - r.to, "[",
+                        label_, "] block ", b, ": a range of ", r.bytes, " bytes at ", r.to,
+                        " does not fit its ", blocks_[b].bytes, " packed bytes");
+      }
+    }
+    for (const auto& buffer : free_) {
+      BLOCKSWAP_CHECK(buffer && buffer->size() >= largest, "[", label_, "] a staging buffer of ",
+                      buffer ? buffer->size() : 0, " bytes cannot hold the largest block (",
+                      largest, " bytes)");
+    }
+    bounce_bytes_ = kWindow;
+    void* bounce = std::aligned_alloc(kAlign, bounce_bytes_);
+    if (bounce == nullptr) throw std::bad_alloc();
+    bounce_ = {static_cast<std::byte*>(bounce), &std::free};
+  } catch (...) {
+    ::close(fd_);
+    throw;
+  }
+  thread_ = std::thread([this] { run(); });
+}
+
+FileReader::~FileReader() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+  }
+  changed_.notify_all();
+  thread_.join();
+  ::close(fd_);
+}
+
+void FileReader::request(int64_t block) {
+  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
+                  " is out of range for the file tier's ", blocks(), " blocks");
+  {
+    std::lock_guard lock(mutex_);
+    requests_.push_back(Request{block, nullptr, false, nullptr});
+  }
+  changed_.notify_all();
+}
+
+FileReader::Staged FileReader::next() {
+  std::unique_lock lock(mutex_);
+  BLOCKSWAP_CHECK(!requests_.empty(), "[", label_, "] next() with no block requested");
+  changed_.wait(lock, [&] { return requests_.front().done; });
+  Request request = std::move(requests_.front());
+  requests_.pop_front();
+  if (request.failure) {
+    if (request.buffer) free_.push_back(std::move(request.buffer));
+    lock.unlock();
+    changed_.notify_all();
+    std::rethrow_exception(request.failure);
+  }
+  return Staged{request.block, std::move(request.buffer)};
+}
+
+void FileReader::release(const Staged& staged) {
+  if (!staged.buffer) return;
+  {
+    std::lock_guard lock(mutex_);
+    free_.push_back(staged.buffer);
+  }
+  changed_.notify_all();
+}
+
+uint64_t FileReader::bytes_read() const {
+  std::lock_guard lock(mutex_);
+  return bytes_read_;
+}
+
+void FileReader::run() {
+  std::unique_lock lock(mutex_);
+  while (true) {
+    // The first request not yet read, and a free buffer for it.
+    Request* request = nullptr;
+    changed_.wait(lock, [&] {
+      if (stopping_) return true;
+      request = nullptr;
+      for (Request& r : requests_) {
+        if (!r.done) {
+          request = &r;
+          break;
+        }
+      }
+      return request != nullptr && !free_.empty();
+    });
+    if (stopping_) return;
+    std::shared_ptr<Buffer> buffer = std::move(free_.back());
+    free_.pop_back();
+    request->buffer = buffer;
+    const int64_t block = request->block;
+    lock.unlock();
+    std::exception_ptr failure;
+    try {
+      read_block(block, buffer->data());
+    } catch (...) {
+      failure = std::current_exception();
+    }
+    lock.lock();
+    // The deque may have grown, never shrunk past an undone request: find it again.
+    for (Request& r : requests_) {
+      if (!r.done && r.buffer == buffer) {
+        r.done = true;
+        r.failure = failure;
+        break;
+      }
+    }
+    if (!failure) bytes_read_ += blocks_[block].bytes;
+    changed_.notify_all();
+  }
+}
+
+void FileReader::check_unchanged(int64_t block) const {
+  struct stat s {};
+  BLOCKSWAP_CHECK(::fstat(fd_, &s) == 0, "[", label_, "] cannot stat '", path_, "' to read block ",
+                  block, ": ", std::strerror(errno));
+  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && modified_ns(s) == modified_ns_,
+                  "[", label_, "] '", path_, "' changed while blockswap reads blocks from it (",
+                  size_, " bytes when opened, ", s.st_size, " now",
+                  modified_ns(s) != modified_ns_ ? ", modified since" : "",
+                  ") before block ", block, " was read: the host copy cannot be trusted; "
+                  "restore the file, or load the model into host memory");
+}
+
+void FileReader::read_block(int64_t block, std::byte* into) {
+  check_unchanged(block);
+  std::vector<FileRange> ranges = blocks_[block].ranges;
+  std::sort(ranges.begin(), ranges.end(),
+            [](const FileRange& a, const FileRange& b) { return a.file_offset < b.file_offset; });
+  uint64_t window = 0, window_bytes = 0; // what the bounce area holds: [window, +window_bytes)
+  for (const FileRange& r : ranges) {
+    uint64_t at = r.file_offset;
+    const uint64_t end = r.file_offset + r.bytes;
+    while (at < end) {
+      if (at < window || at >= window + window_bytes) { // Note [reading past the page cache]
+        window = align_down(at);
+        const uint64_t want = std::min<uint64_t>(bounce_bytes_, align_up(end) - window);
+        window_bytes = 0;
+        while (window_bytes < want) {
+          const ssize_t got = ::pread(fd_, bounce_.get() + window_bytes, want - window_bytes,
+                                      static_cast<off_t>(window + window_bytes));
+          if (got < 0 && errno == EINTR) continue;
+          BLOCKSWAP_CHECK(got >= 0, "[", label_, "] reading block ", block, " from '", path_,
+                          "' at byte ", window + window_bytes, ": ", std::strerror(errno));
+          if (got == 0) break; // the end of the file
+          window_bytes += static_cast<uint64_t>(got);
+          if (direct_ && got % kAlign != 0) break; // a short O_DIRECT read: the end of the file
+        }
+        if (!direct_) {
+          ::posix_fadvise(fd_, static_cast<off_t>(window), static_cast<off_t>(window_bytes),
+                          POSIX_FADV_DONTNEED);
+        }
+        BLOCKSWAP_CHECK(at < window + window_bytes, "[", label_, "] reading block ", block,
+                        " from '", path_, "': the file ended at byte ", window + window_bytes,
+                        " before byte ", end, " (truncated under the run?)");
+      }
+      const uint64_t n = std::min(end, window + window_bytes) - at;
+      std::memcpy(into + r.to + (at - r.file_offset), bounce_.get() + (at - window), n);
+      at += n;
+    }
+  }
+  check_unchanged(block); // a change during the read
+}
+
+} // namespace blockswap

@@ -1,0 +1,187 @@
+// FileReader: the file tier's reads, in order, through a ring of staging buffers, past the page
+// cache; every failure an Error naming the file and the block, raised where that block is
+// waited for.
+#include "blockswap/core/file_reader.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/error.hpp"
+
+namespace blockswap {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A file of `bytes` bytes, byte i = i * 7 mod 251, in a directory of this test's own.
+struct TestFile {
+  fs::path path;
+  std::vector<std::byte> contents;
+  explicit TestFile(std::size_t bytes, const std::string& name = "model.bin") {
+    const fs::path dir = fs::temp_directory_path() / ("blockswap-file-reader-" +
+                                                      std::to_string(::getpid()));
+    fs::create_directories(dir);
+    path = dir / name;
+    contents.resize(bytes);
+    for (std::size_t i = 0; i < bytes; ++i) contents[i] = std::byte((i * 7) % 251);
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    out.write(reinterpret_cast<const char*>(contents.data()), static_cast<std::streamsize>(bytes));
+  }
+  ~TestFile() { fs::remove_all(path.parent_path()); }
+};
+
+std::shared_ptr<Buffer> host_buffer(std::size_t bytes) {
+  return std::make_shared<Buffer>(static_cast<std::byte*>(std::malloc(bytes)), bytes,
+                                  [](std::byte* p, std::size_t) { std::free(p); });
+}
+
+std::vector<std::shared_ptr<Buffer>> ring(int buffers, std::size_t bytes) {
+  std::vector<std::shared_ptr<Buffer>> out;
+  for (int i = 0; i < buffers; ++i) out.push_back(host_buffer(bytes));
+  return out;
+}
+
+// Blocks of the file as a loader lays them out: block b's tensors are `tensors` ranges of
+// `tensor` bytes, each at an odd offset (safetensors does not align), packed in reverse order
+// with a 64-byte gap, so that both the file offsets and the packed offsets matter.
+std::vector<FileBlock> blocks_of(int n, int tensors, std::size_t tensor, uint64_t first = 13) {
+  std::vector<FileBlock> blocks(n);
+  uint64_t at = first;
+  for (int b = 0; b < n; ++b) {
+    for (int t = 0; t < tensors; ++t) {
+      const std::size_t to = static_cast<std::size_t>(tensors - 1 - t) * (tensor + 64);
+      blocks[b].ranges.push_back(FileRange{at, tensor, to});
+      at += tensor;
+    }
+    blocks[b].bytes = static_cast<std::size_t>(tensors) * (tensor + 64);
+  }
+  return blocks;
+}
+
+void expect_block(const TestFile& file, const FileBlock& block, const std::byte* got) {
+  for (const FileRange& r : block.ranges) {
+    ASSERT_EQ(std::memcmp(got + r.to, file.contents.data() + r.file_offset, r.bytes), 0)
+        << "range at file byte " << r.file_offset;
+  }
+}
+
+void expect_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    for (const std::string& part : parts) {
+      EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+    }
+  }
+}
+
+class FileReaderTest : public ::testing::TestWithParam<CacheBypass> {};
+
+TEST_P(FileReaderTest, ReadsEveryBlockExactlyInTheOrderAsked) {
+  // Tensors larger than the 8 MiB bounce window, and small ones, across window edges.
+  for (const std::size_t tensor : {std::size_t{1000}, std::size_t{3} << 20}) {
+    const std::vector<FileBlock> blocks = blocks_of(5, 3, tensor);
+    const TestFile file(13 + 5 * 3 * tensor + 100);
+    FileReader reader(file.path.string(), blocks, ring(2, blocks[0].bytes), "blocks", GetParam());
+    const std::vector<int64_t> order = {3, 0, 4, 4, 1, 2, 0};
+    for (int64_t b : order) reader.request(b); // deeper than the ring: reads wait for releases
+    for (int64_t b : order) {
+      const FileReader::Staged staged = reader.next();
+      ASSERT_EQ(staged.block, b);
+      expect_block(file, blocks[b], staged.buffer->data());
+      reader.release(staged);
+    }
+    EXPECT_EQ(reader.bytes_read(), order.size() * blocks[0].bytes);
+    if (GetParam() == CacheBypass::drop) {
+      EXPECT_FALSE(reader.direct());
+    }
+    std::cout << "O_DIRECT: " << (reader.direct() ? "yes" : "no (buffered, DONTNEED)") << "\n";
+  }
+}
+
+TEST_P(FileReaderTest, AFileTruncatedUnderTheRunIsAnErrorAtThatBlockAndTheReaderGoesOn) {
+  const std::vector<FileBlock> blocks = blocks_of(4, 2, 5000);
+  const TestFile file(13 + 4 * 2 * 5000);
+  FileReader reader(file.path.string(), blocks, ring(1, blocks[0].bytes), "blocks", GetParam());
+  reader.request(0);
+  const FileReader::Staged first = reader.next();
+  expect_block(file, blocks[0], first.buffer->data());
+  reader.release(first);
+  fs::resize_file(file.path, 13 + 2 * 2 * 5000);
+  reader.request(3);
+  expect_error([&] { reader.next(); }, {"[blocks]", file.path.string(), "changed while",
+                                        "before block 3 was read"});
+  reader.request(1); // the ring's buffer came back: the reader still answers
+  expect_error([&] { reader.next(); }, {"changed while"});
+}
+
+TEST_P(FileReaderTest, AFileRewrittenWithTheSameSizeIsAnError) {
+  const std::vector<FileBlock> blocks = blocks_of(2, 2, 4096);
+  TestFile file(13 + 2 * 2 * 4096);
+  FileReader reader(file.path.string(), blocks, ring(1, blocks[0].bytes), "blocks", GetParam());
+  // Another mtime: the file was written again, whatever it now holds.
+  fs::last_write_time(file.path, fs::last_write_time(file.path) + std::chrono::seconds(5));
+  reader.request(1);
+  expect_error([&] { reader.next(); }, {"changed while", "modified since"});
+}
+
+INSTANTIATE_TEST_SUITE_P(Bypass, FileReaderTest,
+                         ::testing::Values(CacheBypass::direct, CacheBypass::drop),
+                         [](const ::testing::TestParamInfo<CacheBypass>& bypass) {
+                           return bypass.param == CacheBypass::direct ? "Direct" : "Drop";
+                         });
+
+TEST(FileReader, RangesOutsideTheFileOrTheBlockAreRefusedAtOnce) {
+  const TestFile file(1000);
+  expect_error(
+      [&] {
+        FileReader(file.path.string(), {FileBlock{{FileRange{900, 200, 0}}, 200}}, ring(1, 200),
+                   "blocks");
+      },
+      {"[blocks] block 0 needs bytes 900 to 1100", "which has 1000"});
+  expect_error(
+      [&] {
+        FileReader(file.path.string(), {FileBlock{{FileRange{0, 100, 50}}, 120}}, ring(1, 200),
+                   "blocks");
+      },
+      {"block 0: a range of 100 bytes at 50 does not fit its 120 packed bytes"});
+  expect_error(
+      [&] {
+        FileReader(file.path.string(), {FileBlock{{FileRange{0, 100, 0}}, 100}}, ring(1, 50),
+                   "blocks");
+      },
+      {"a staging buffer of 50 bytes cannot hold the largest block (100 bytes)"});
+  expect_error([&] { FileReader((file.path.parent_path() / "missing").string(), {}, ring(1, 1),
+                                "blocks"); },
+               {"cannot open", "missing", "No such file"});
+}
+
+TEST(FileReader, DestroyedWithReadsPendingItStops) {
+  const std::vector<FileBlock> blocks = blocks_of(8, 1, 1 << 20);
+  const TestFile file(13 + 8 * (1 << 20));
+  FileReader reader(file.path.string(), blocks, ring(2, blocks[0].bytes), "blocks");
+  for (int64_t b = 0; b < 8; ++b) reader.request(b); // six wait for a buffer, never released
+  reader.next();
+}
+
+TEST(FileReader, ABlockOutOfRangeOrANextWithoutRequestIsNamed) {
+  const TestFile file(100);
+  FileReader reader(file.path.string(), {FileBlock{{FileRange{0, 10, 0}}, 10}}, ring(1, 10),
+                    "blocks");
+  expect_error([&] { reader.request(1); }, {"block index 1 is out of range"});
+  expect_error([&] { reader.next(); }, {"next() with no block requested"});
+}
+
+} // namespace
+} // namespace blockswap
