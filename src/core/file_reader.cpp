@@ -26,8 +26,12 @@ namespace {
 constexpr std::size_t kAlign = 4096;
 constexpr std::size_t kWindow = 8u << 20; // the bounce area: 8 MiB
 
-uint64_t align_down(uint64_t x) { return x / kAlign * kAlign; }
-uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+uint64_t align_down(uint64_t x) {
+  return x / kAlign * kAlign;
+}
+uint64_t align_up(uint64_t x) {
+  return (x + kAlign - 1) / kAlign * kAlign;
+}
 
 int64_t modified_ns(const struct stat& s) {
   return static_cast<int64_t>(s.st_mtim.tv_sec) * 1'000'000'000 + s.st_mtim.tv_nsec;
@@ -40,7 +44,8 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
                        CacheBypass bypass)
     : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)),
       free_(std::move(staging)) {
-  BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_, "] the file tier needs at least one "
+  BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_,
+                           "] the file tier needs at least one "
                            "staging buffer");
   if (bypass == CacheBypass::direct) {
     fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
@@ -64,8 +69,8 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
         BLOCKSWAP_CHECK(r.file_offset <= size_ && r.bytes <= size_ - r.file_offset, "[", label_,
                         "] block ", b, " needs bytes ", r.file_offset, " to ",
                         r.file_offset + r.bytes, " of '", path_, "', which has ", size_);
-        BLOCKSWAP_CHECK(r.to <= blocks_[b].bytes && r.bytes <= blocks_[b].bytes - r.to, "[",
-                        label_, "] block ", b, ": a range of ", r.bytes, " bytes at ", r.to,
+        BLOCKSWAP_CHECK(r.to <= blocks_[b].bytes && r.bytes <= blocks_[b].bytes - r.to, "[", label_,
+                        "] block ", b, ": a range of ", r.bytes, " bytes at ", r.to,
                         " does not fit its ", blocks_[b].bytes, " packed bytes");
       }
     }
@@ -180,11 +185,12 @@ void FileReader::check_unchanged(int64_t block) const {
   struct stat s {};
   BLOCKSWAP_CHECK(::fstat(fd_, &s) == 0, "[", label_, "] cannot stat '", path_, "' to read block ",
                   block, ": ", std::strerror(errno));
-  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && modified_ns(s) == modified_ns_,
-                  "[", label_, "] '", path_, "' changed while blockswap reads blocks from it (",
-                  size_, " bytes when opened, ", s.st_size, " now",
-                  modified_ns(s) != modified_ns_ ? ", modified since" : "",
-                  ") before block ", block, " was read: the host copy cannot be trusted; "
+  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && modified_ns(s) == modified_ns_, "[",
+                  label_, "] '", path_, "' changed while blockswap reads blocks from it (", size_,
+                  " bytes when opened, ", s.st_size, " now",
+                  modified_ns(s) != modified_ns_ ? ", modified since" : "", ") before block ",
+                  block,
+                  " was read: the host copy cannot be trusted; "
                   "restore the file, or load the model into host memory");
 }
 

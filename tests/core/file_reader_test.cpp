@@ -8,9 +8,9 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <numeric>
 #include <string>
@@ -28,8 +28,8 @@ struct TestFile {
   fs::path path;
   std::vector<std::byte> contents;
   explicit TestFile(std::size_t bytes, const std::string& name = "model.bin") {
-    const fs::path dir = fs::temp_directory_path() / ("blockswap-file-reader-" +
-                                                      std::to_string(::getpid()));
+    const fs::path dir =
+        fs::temp_directory_path() / ("blockswap-file-reader-" + std::to_string(::getpid()));
     fs::create_directories(dir);
     path = dir / name;
     contents.resize(bytes);
@@ -120,8 +120,8 @@ TEST_P(FileReaderTest, AFileTruncatedUnderTheRunIsAnErrorAtThatBlockAndTheReader
   reader.release(first);
   fs::resize_file(file.path, 13 + 2 * 2 * 5000);
   reader.request(3);
-  expect_error([&] { reader.next(); }, {"[blocks]", file.path.string(), "changed while",
-                                        "before block 3 was read"});
+  expect_error([&] { reader.next(); },
+               {"[blocks]", file.path.string(), "changed while", "before block 3 was read"});
   reader.request(1); // the ring's buffer came back: the reader still answers
   expect_error([&] { reader.next(); }, {"changed while"});
 }
@@ -162,9 +162,9 @@ TEST(FileReader, RangesOutsideTheFileOrTheBlockAreRefusedAtOnce) {
                    "blocks");
       },
       {"a staging buffer of 50 bytes cannot hold the largest block (100 bytes)"});
-  expect_error([&] { FileReader((file.path.parent_path() / "missing").string(), {}, ring(1, 1),
-                                "blocks"); },
-               {"cannot open", "missing", "No such file"});
+  expect_error(
+      [&] { FileReader((file.path.parent_path() / "missing").string(), {}, ring(1, 1), "blocks"); },
+      {"cannot open", "missing", "No such file"});
 }
 
 TEST(FileReader, DestroyedWithReadsPendingItStops) {
