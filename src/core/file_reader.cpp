@@ -24,7 +24,8 @@ namespace {
 // reads are buffered and each window is dropped from the cache after it is read
 // (posix_fadvise(DONTNEED)): the cache holds at most one window of the file at a time.
 constexpr std::size_t kAlign = 4096;
-constexpr std::size_t kWindow = 8u << 20; // the bounce area: 8 MiB
+constexpr std::size_t kWindow = 32u << 20; // the bounce area
+constexpr std::size_t kPart = 8u << 20;    // one read of a window; a window's parts run at once
 
 uint64_t align_down(uint64_t x) {
   return x / kAlign * kAlign;
@@ -194,6 +195,53 @@ void FileReader::check_unchanged(int64_t block) const {
                   "restore the file, or load the model into host memory");
 }
 
+// Reads `bytes` of the file from `offset` into `into` (fewer at the end of the file); a read
+// error is an Error naming the block.
+uint64_t FileReader::read_part(int64_t block, std::byte* into, uint64_t offset,
+                               uint64_t bytes) const {
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t got = ::pread(fd_, into + done, bytes - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    BLOCKSWAP_CHECK(got >= 0, "[", label_, "] reading block ", block, " from '", path_,
+                    "' at byte ", offset + done, ": ", std::strerror(errno));
+    if (got == 0) break; // the end of the file
+    done += static_cast<uint64_t>(got);
+    if (direct_ && got % kAlign != 0) break; // a short O_DIRECT read: the end of the file
+  }
+  return done;
+}
+
+// A window of the bounce area, its parts read at once (a queue deeper than one read, which
+// O_DIRECT needs for the disk's bandwidth; buffered reads get the kernel's read-ahead).
+// Returns how many bytes from `window` were read, up to the first short part.
+uint64_t FileReader::read_window(int64_t block, uint64_t window, uint64_t want) {
+  const uint64_t part_bytes = direct_ ? kPart : want;
+  const uint64_t parts = (want + part_bytes - 1) / part_bytes;
+  std::vector<uint64_t> got(parts, 0);
+  std::vector<std::exception_ptr> failed(parts);
+  auto part = [&](uint64_t p) {
+    try {
+      const uint64_t begin = p * part_bytes;
+      got[p] = read_part(block, bounce_.get() + begin, window + begin,
+                         std::min<uint64_t>(part_bytes, want - begin));
+    } catch (...) {
+      failed[p] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (uint64_t p = 1; p < parts; ++p) helpers.emplace_back(part, p);
+  part(0);
+  for (std::thread& t : helpers) t.join();
+  uint64_t read = 0;
+  for (uint64_t p = 0; p < parts; ++p) {
+    if (failed[p]) std::rethrow_exception(failed[p]);
+    read += got[p];
+    if (got[p] < std::min<uint64_t>(part_bytes, want - p * part_bytes)) break;
+  }
+  return read;
+}
+
 void FileReader::read_block(int64_t block, std::byte* into) {
   check_unchanged(block);
   std::vector<FileRange> ranges = blocks_[block].ranges;
@@ -207,17 +255,7 @@ void FileReader::read_block(int64_t block, std::byte* into) {
       if (at < window || at >= window + window_bytes) { // Note [reading past the page cache]
         window = align_down(at);
         const uint64_t want = std::min<uint64_t>(bounce_bytes_, align_up(end) - window);
-        window_bytes = 0;
-        while (window_bytes < want) {
-          const ssize_t got = ::pread(fd_, bounce_.get() + window_bytes, want - window_bytes,
-                                      static_cast<off_t>(window + window_bytes));
-          if (got < 0 && errno == EINTR) continue;
-          BLOCKSWAP_CHECK(got >= 0, "[", label_, "] reading block ", block, " from '", path_,
-                          "' at byte ", window + window_bytes, ": ", std::strerror(errno));
-          if (got == 0) break; // the end of the file
-          window_bytes += static_cast<uint64_t>(got);
-          if (direct_ && got % kAlign != 0) break; // a short O_DIRECT read: the end of the file
-        }
+        window_bytes = read_window(block, window, want);
         if (!direct_) {
           ::posix_fadvise(fd_, static_cast<off_t>(window), static_cast<off_t>(window_bytes),
                           POSIX_FADV_DONTNEED);

@@ -87,6 +87,8 @@ private:
 
   void run();
   void read_block(int64_t block, std::byte* into);
+  uint64_t read_window(int64_t block, uint64_t window, uint64_t want);
+  uint64_t read_part(int64_t block, std::byte* into, uint64_t offset, uint64_t bytes) const;
   void check_unchanged(int64_t block) const;
 
   const std::string path_, label_;
