@@ -119,6 +119,10 @@ def test_a_second_submit_of_a_block_says_so_in_python_words(cpu):
         with pytest.raises(blockswap.Error,
                            match=r"submit_move_blocks_forward\(0\) was called again"):
             offloader.submit_move_blocks_forward(0)
+    # The mistake leaves the offloader usable: the next pass, after a prepare, is exact.
+    reference = make_blocks(4, lora=False)
+    x = torch.randn(2, 5, DIM)
+    assert torch.equal(forward(reference, x), forward(blocks, x, offloader))
     offloader.close()
 
 
