@@ -24,6 +24,13 @@ void check_list(const SimulatedList& list) {
     BLOCKSWAP_CHECK(std::isfinite(s) && s >= 0,
                     "simulator: a forward time must be finite and >= 0, got ", s);
   }
+  BLOCKSWAP_CHECK(t.from_file.empty() || t.from_file.size() == n, "simulator: ", n,
+                  " blocks in the schedule but ", t.from_file.size(), " file-tier flags");
+}
+
+bool reads_file(const SimulatedList& list) {
+  const std::vector<bool>& f = list.timing->from_file;
+  return std::find(f.begin(), f.end(), true) != f.end();
 }
 
 void check_lists(std::span<const SimulatedList> lists, const LinkModel& link) {
@@ -36,6 +43,12 @@ void check_lists(std::span<const SimulatedList> lists, const LinkModel& link) {
     check_list(list);
     BLOCKSWAP_CHECK(list.schedule->mode() == lists[0].schedule->mode(),
                     "simulator: every list of a step must be in the same mode");
+    BLOCKSWAP_CHECK(!reads_file(list) || (std::isfinite(link.disk_bytes_per_second) &&
+                                          link.disk_bytes_per_second > 0 &&
+                                          link.staging_buffers >= 1),
+                    "simulator: file-tier blocks need disk_bytes_per_second > 0 and "
+                    "staging_buffers >= 1, got ",
+                    link.disk_bytes_per_second, " and ", link.staging_buffers);
   }
 }
 
@@ -55,7 +68,8 @@ double compute_seconds(const BlockTiming& timing, const Op& op) {
 // Blocks on the device at the start of the step are loaded already (the steady state).
 class VirtualClock {
 public:
-  explicit VirtualClock(const LinkModel& link) : link_(link) {}
+  explicit VirtualClock(const LinkModel& link)
+      : link_(link), staging_(static_cast<std::size_t>(std::max(1, link.staging_buffers)), 0.0) {}
 
   void play(const SimulatedList& list, bool backward, ListSimulation& out, double weight) {
     const Schedule& schedule = *list.schedule;
@@ -85,12 +99,16 @@ public:
   // means the steady state.
   std::vector<double> relative_state() const {
     // Anything at or before the compute stream's time waits for nothing any more: 0.
-    std::vector<double> state{std::max(0.0, copy_ - compute_), std::max(0.0, host_ - compute_)};
+    std::vector<double> state{std::max(0.0, copy_ - compute_), std::max(0.0, host_ - compute_),
+                              std::max(0.0, disk_ - compute_)};
     for (double ready : ready_) state.push_back(std::max(0.0, ready - compute_));
+    for (std::size_t i = 0; i < staging_.size(); ++i) {
+      state.push_back(std::max(0.0, staging_[(next_staging_ + i) % staging_.size()] - compute_));
+    }
     return state;
   }
 
-  void reset_counters() { stall_ = busy_compute_ = busy_link_ = 0; }
+  void reset_counters() { stall_ = busy_compute_ = busy_link_ = busy_disk_ = 0; }
 
   // The schedule's lists take turns on one device: each list's blocks have their own entries.
   void next_list(std::size_t blocks) { offset_ += blocks; }
@@ -102,6 +120,7 @@ public:
     s.compute_seconds = busy_compute_;
     s.stall_seconds = stall_;
     s.link_busy_seconds = busy_link_;
+    s.disk_busy_seconds = busy_disk_;
     return s;
   }
 
@@ -125,17 +144,32 @@ private:
   }
 
   void move(const Schedule& schedule, const BlockTiming& timing, const Op& op, double weight) {
+    const std::size_t in = timing.bytes[op.move.in];
+    const bool from_file = !timing.from_file.empty() && timing.from_file[op.move.in];
+    double read_end = 0;
+    if (from_file) { // the read waits for the disk and a free staging buffer, not the compute
+      read_end = std::max(disk_, staging_[next_staging_]) + link_.disk_seconds(in);
+      busy_disk_ += weight * link_.disk_seconds(in);
+      disk_ = read_end;
+    }
     // The occupant's last reader is everything computed so far.
     if (schedule.host_waits()) host_ = std::max(host_, compute_);
     copy_ = std::max(copy_, compute_);
     if (schedule.writes_back()) copy(timing.bytes[op.move.out], weight);
-    copy(timing.bytes[op.move.in], weight);
+    copy_ = std::max(copy_, read_end); // the copy out of the staging buffer waits for its read
+    copy(in, weight);
+    if (from_file) {
+      staging_[next_staging_] = copy_;
+      next_staging_ = (next_staging_ + 1) % staging_.size();
+    }
     ready_[offset_ + op.move.in] = copy_;
   }
 
   LinkModel link_;
-  double compute_ = 0, copy_ = 0, host_ = 0;
-  double stall_ = 0, busy_compute_ = 0, busy_link_ = 0;
+  double compute_ = 0, copy_ = 0, host_ = 0, disk_ = 0;
+  double stall_ = 0, busy_compute_ = 0, busy_link_ = 0, busy_disk_ = 0;
+  std::vector<double> staging_; // when each staging buffer is free again
+  std::size_t next_staging_ = 0;
   std::vector<double> ready_; // when each block's last load ends
   std::size_t offset_ = 0;
 };
@@ -258,12 +292,16 @@ double LinkModel::seconds(std::size_t bytes) const {
   return latency_seconds + static_cast<double>(bytes) / bytes_per_second;
 }
 
+double LinkModel::disk_seconds(std::size_t bytes) const {
+  return static_cast<double>(bytes) / disk_bytes_per_second;
+}
+
 BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t bytes,
                            double backward_factor) {
   BLOCKSWAP_CHECK(blocks >= 0, "uniform_timing: blocks must be >= 0, got ", blocks);
   const auto n = static_cast<std::size_t>(blocks);
   return BlockTiming{std::vector<double>(n, forward_seconds), std::vector<std::size_t>(n, bytes),
-                     backward_factor};
+                     backward_factor, {}};
 }
 
 Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link) {
@@ -337,7 +375,7 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   check_lists(lists, link);
-  double compute = 0, copies = 0, slots = 0;
+  double compute = 0, copies = 0, slots = 0, reads = 0;
   for (const SimulatedList& list : lists) {
     const Schedule& schedule = *list.schedule;
     const BlockTiming& timing = *list.timing;
@@ -345,6 +383,9 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
       if (op.kind != Op::Kind::move) {
         compute += compute_seconds(timing, op);
         continue;
+      }
+      if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
+        reads += link.disk_seconds(timing.bytes[op.move.in]);
       }
       copies += link.seconds(timing.bytes[op.move.in]);
       if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
@@ -360,7 +401,7 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
     }
   }
   slots = std::max(slots, halves);
-  return std::max({compute, copies, slots});
+  return std::max({compute, copies, slots, reads});
 }
 
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {

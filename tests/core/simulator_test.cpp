@@ -215,5 +215,77 @@ TEST(Simulator, RejectsTimingThatDoesNotFit) {
   EXPECT_THROW(step_bound(s, uniform_timing(4, kC, kS), LinkModel{-5}), Error);
 }
 
+// The file tier (DESIGN.md, "Tiers"): the disk is a second link in series with the host's.
+
+// Every swapped block read from the file: flags for blocks 0..K-1 (training) or all.
+BlockTiming from_file(BlockTiming t, int64_t first, int64_t last) {
+  t.from_file.assign(t.bytes.size(), false);
+  for (int64_t b = first; b < last; ++b) t.from_file[static_cast<std::size_t>(b)] = true;
+  return t;
+}
+
+TEST(Simulator, ADiskFasterThanTheComputeCostsNothing) {
+  // Reads run ahead of the copies: a disk that reads a block in half its compute never shows.
+  for (Mode mode : {Mode::forward_only, Mode::training}) {
+    const Schedule s({12, 5, mode});
+    const BlockTiming t = uniform_timing(12, kC, kS);
+    LinkModel link = kUnitLink;
+    link.disk_bytes_per_second = 2.0 * kS / kC;
+    const Simulation memory = simulate(s, t, link);
+    const Simulation file = simulate(s, from_file(t, 0, 12), link);
+    EXPECT_NEAR(file.step_seconds, memory.step_seconds, 1e-9) << s.describe();
+    EXPECT_GT(file.disk_busy_seconds, 0);
+    EXPECT_EQ(memory.disk_busy_seconds, 0);
+  }
+}
+
+TEST(Simulator, ASlowDiskSetsThePaceAndTheBoundSaysSo) {
+  for (Mode mode : {Mode::forward_only, Mode::training}) {
+    const Schedule s({12, 5, mode});
+    const BlockTiming t = from_file(uniform_timing(12, kC, kS), 0, 12);
+    LinkModel link = kUnitLink;
+    link.disk_bytes_per_second = 0.25 * kS / kC; // a read takes four computes
+    const Simulation r = simulate(s, t, link);
+    const double reads = r.disk_busy_seconds;
+    EXPECT_NEAR(step_bound(s, t, link), reads, 1e-9) << s.describe(); // the disk term
+    EXPECT_GE(r.step_seconds, reads * (1 - 1e-9));
+    // Loads per step: K+R in inference, 2K in training, each read once.
+    const double loads = mode == Mode::forward_only ? 5 + 2 : 2 * 5;
+    EXPECT_NEAR(reads, loads * 4 * kC, 1e-9) << s.describe();
+  }
+}
+
+TEST(Simulator, MoreStagingBuffersNeverSlowAStep) {
+  for (Mode mode : {Mode::forward_only, Mode::training}) {
+    for (double disk : {0.5, 1.0, 2.0}) {
+      const Schedule s({16, 7, mode});
+      const BlockTiming t = from_file(uniform_timing(16, kC, kS), 0, 16);
+      double previous = std::numeric_limits<double>::infinity();
+      for (int buffers : {1, 2, 3, 6}) {
+        LinkModel link = kUnitLink;
+        link.disk_bytes_per_second = disk * kS / kC;
+        link.staging_buffers = buffers;
+        const Simulation r = simulate(s, t, link);
+        EXPECT_LE(r.step_seconds, previous + 1e-9) << s.describe() << " buffers " << buffers;
+        EXPECT_GE(r.step_seconds, step_bound(s, t, link) * (1 - 1e-9));
+        previous = r.step_seconds;
+      }
+    }
+  }
+}
+
+TEST(Simulator, FileTierBlocksNeedADisk) {
+  const Schedule s({4, 1, Mode::forward_only});
+  BlockTiming t = from_file(uniform_timing(4, kC, kS), 0, 4);
+  EXPECT_THROW(simulate(s, t, kUnitLink), Error); // no disk bandwidth given
+  LinkModel link = kUnitLink;
+  link.disk_bytes_per_second = 1000;
+  link.staging_buffers = 0;
+  EXPECT_THROW(simulate(s, t, link), Error);
+  t.from_file.pop_back();
+  link.staging_buffers = 2;
+  EXPECT_THROW(simulate(s, t, link), Error); // a flag per block
+}
+
 } // namespace
 } // namespace blockswap

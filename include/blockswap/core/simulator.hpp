@@ -25,10 +25,17 @@
 namespace blockswap {
 
 // The link between host and device: a copy of `bytes` occupies it for latency + bytes / B.
+// The file tier's disk is a second link in series (DESIGN.md, "Tiers"): a block read from the
+// file goes disk -> a staging buffer (one of `staging_buffers`, in turn) -> the link. Reads run
+// ahead of the copies in load order, as far as free staging buffers allow; a buffer is free
+// again when the copy out of it ends.
 struct LinkModel {
   double bytes_per_second = 25e9; // B (PCIe 4, pinned, measured: DESIGN.md section 6)
   double latency_seconds = 0;     // per copy
+  double disk_bytes_per_second = 0; // D, the disk's read bandwidth (needed by file-tier blocks)
+  int staging_buffers = 2;          // the file tier's ring
   double seconds(std::size_t bytes) const;
+  double disk_seconds(std::size_t bytes) const;
 };
 
 // What each block of one list costs.
@@ -36,6 +43,7 @@ struct BlockTiming {
   std::vector<double> forward_seconds; // per block
   std::vector<std::size_t> bytes;      // per block: what one load moves
   double backward_factor = 2.0;        // a block's backward takes this multiple of its forward
+  std::vector<bool> from_file;         // per block: read from the file for each load (empty: none)
 };
 
 // N blocks alike: `forward_seconds` each, `bytes` each.
@@ -71,6 +79,7 @@ struct Simulation {
   double compute_seconds = 0;   // the compute stream busy, per step
   double stall_seconds = 0;     // the compute stream idle before a block, per step
   double link_busy_seconds = 0; // the copy stream busy (loads and write-backs), per step
+  double disk_busy_seconds = 0; // the disk busy reading file-tier blocks, per step
   std::vector<ListSimulation> lists;
   // Forward-only: the passes played before the measured chunk of kPassesPerChunk, and whether
   // the state repeated within kMaxPasses (when it did not, a backlog on the link still grew,
@@ -100,6 +109,7 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 //     after the computes before its move, the loads follow one another, and the block loaded
 //     last computes after its load, then the rest of the half; every list's halves are
 //     disjoint stretches of the compute stream, so these add up over halves and lists.
+//   - the disk: every read of a file-tier block in a step, one after another.
 // With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
