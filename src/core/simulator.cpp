@@ -43,9 +43,9 @@ void check_lists(std::span<const SimulatedList> lists, const LinkModel& link) {
     check_list(list);
     BLOCKSWAP_CHECK(list.schedule->mode() == lists[0].schedule->mode(),
                     "simulator: every list of a step must be in the same mode");
-    BLOCKSWAP_CHECK(!reads_file(list) || (std::isfinite(link.disk_bytes_per_second) &&
-                                          link.disk_bytes_per_second > 0 &&
-                                          link.staging_buffers >= 1),
+    BLOCKSWAP_CHECK(!reads_file(list) ||
+                        (std::isfinite(link.disk_bytes_per_second) &&
+                         link.disk_bytes_per_second > 0 && link.staging_buffers >= 1),
                     "simulator: file-tier blocks need disk_bytes_per_second > 0 and "
                     "staging_buffers >= 1, got ",
                     link.disk_bytes_per_second, " and ", link.staging_buffers);
@@ -300,8 +300,10 @@ BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t b
                            double backward_factor) {
   BLOCKSWAP_CHECK(blocks >= 0, "uniform_timing: blocks must be >= 0, got ", blocks);
   const auto n = static_cast<std::size_t>(blocks);
-  return BlockTiming{std::vector<double>(n, forward_seconds), std::vector<std::size_t>(n, bytes),
-                     backward_factor, {}};
+  return BlockTiming{std::vector<double>(n, forward_seconds),
+                     std::vector<std::size_t>(n, bytes),
+                     backward_factor,
+                     {}};
 }
 
 Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link) {

@@ -30,8 +30,8 @@ namespace blockswap {
 // ahead of the copies in load order, as far as free staging buffers allow; a buffer is free
 // again when the copy out of it ends.
 struct LinkModel {
-  double bytes_per_second = 25e9; // B (PCIe 4, pinned, measured: DESIGN.md section 6)
-  double latency_seconds = 0;     // per copy
+  double bytes_per_second = 25e9;   // B (PCIe 4, pinned, measured: DESIGN.md section 6)
+  double latency_seconds = 0;       // per copy
   double disk_bytes_per_second = 0; // D, the disk's read bandwidth (needed by file-tier blocks)
   int staging_buffers = 2;          // the file tier's ring
   double seconds(std::size_t bytes) const;
