@@ -304,6 +304,48 @@ TEST(Plan, PredictsTheStepTimeAndTheRotatingSlots) {
   EXPECT_NE(bad.err.find("--block-ms"), std::string::npos) << bad.err;
 }
 
+// The file tier's plan: with --host-budget the swapped blocks beyond it are read from the file
+// for each load; the prediction plays the disk in series with the link (simulator.hpp).
+TEST(Plan, AHostBudgetPlansThreeTiers) {
+  const fs::path model = scratch() / "flux-tiers.safetensors";
+  write_sparse_model(model, flux_tensors(), "BF16", 2);
+  for (const std::string mode : {"train", "infer"}) {
+    const std::string plan = "plan " + model.string() + " --budget 12GiB --mode " + mode +
+                             " --block-ms 40 --link-gbps 25 --json";
+    const json memory = json::parse(run_tool(plan).out);
+    EXPECT_FALSE(memory.contains("host_budget_bytes"));
+    // Everything in host memory: the plan without a file tier.
+    const json all = json::parse(run_tool(plan + " --host-budget 1000GiB").out);
+    EXPECT_EQ(all["predicted_step_seconds"], memory["predicted_step_seconds"]);
+    for (const json& g : all["groups"]) EXPECT_EQ(g["file_blocks"], 0) << g.dump();
+    // Nothing in host memory, a slow disk: every swapped block from the file, the disk the pace.
+    const Result none = run_tool(plan + " --host-budget 0 --disk-gbps 0.5");
+    ASSERT_EQ(none.exit_code, 0) << none.err;
+    const json n = json::parse(none.out);
+    EXPECT_EQ(n["host_bytes"], 0);
+    uint64_t read = 0;
+    for (const json& g : n["groups"]) {
+      EXPECT_EQ(g["pinned_blocks"], 0);
+      EXPECT_EQ(g["file_blocks"].get<int64_t>() > 0, g["blocks_to_swap"].get<int64_t>() > 0);
+      read += g["disk_read_bytes"].get<uint64_t>();
+    }
+    EXPECT_GT(read, 0u);
+    EXPECT_GE(n["predicted_step_seconds"].get<double>(), double(read) / 0.5e9 * (1 - 1e-9));
+    EXPECT_GT(n["predicted_step_seconds"].get<double>(),
+              n["predicted_in_memory_step_seconds"].get<double>());
+    // Half the swapped bytes in host memory: some blocks of each kind.
+    const Result half = run_tool(plan + " --host-budget 4GiB --disk-gbps 7");
+    ASSERT_EQ(half.exit_code, 0) << half.err;
+    const json h = json::parse(half.out);
+    EXPECT_LE(h["host_bytes"].get<uint64_t>(), uint64_t{4} << 30);
+    EXPECT_GT(h["host_bytes"].get<uint64_t>(), 0u);
+  }
+  const Result table = run_tool("plan " + model.string() + " --budget 12GiB --host-budget 2GiB");
+  EXPECT_NE(table.out.find("from the file"), std::string::npos) << table.out;
+  const Result bad = run_tool("plan " + model.string() + " --budget 12GiB --host-budget lots");
+  EXPECT_NE(bad.exit_code, 0);
+}
+
 // Twelve groups of twelve blocks: the search is polynomial (an exhaustive one did not finish in
 // two minutes), and the prediction too.
 TEST(Plan, TwelveGroupsPlanInUnderASecond) {

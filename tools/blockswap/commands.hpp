@@ -46,6 +46,10 @@ struct PlanArgs {
   double block_ms = 0; // 0: from --tflops and --tokens
   double tflops = 100;
   int64_t tokens = 4096;
+  // The file tier: host memory for the swapped blocks' weights (empty: all of them), the rest
+  // read from the model's file for each load, at --disk-gbps.
+  std::string host_budget;
+  double disk_gbps = 7;
 };
 
 struct BenchArgs {

@@ -133,6 +133,15 @@ int main(int argc, char** argv) {
       ->check(number_in(1e-6, 1e9))
       ->excludes(block_ms)
       ->capture_default_str();
+  plan_cmd->add_option("--host-budget", plan.host_budget,
+                       "the file tier: host memory for the swapped blocks' weights (12GiB, ...); "
+                       "the swapped blocks beyond it are read from the model file for each load "
+                       "(default: all in host memory)");
+  plan_cmd
+      ->add_option("--disk-gbps", plan.disk_gbps,
+                   "prediction, with --host-budget: the disk's read GB/s (PCIe 4 NVMe: about 7)")
+      ->check(number_in(kMinLinkGbps, 1e6))
+      ->capture_default_str();
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))
       ->excludes(block_ms)

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/planner.hpp"
@@ -19,6 +20,12 @@ namespace {
 
 struct Prediction {
   double step_seconds = 0, noswap_seconds = 0;
+  double in_memory_seconds = 0; // every swapped block in host memory (no file tier)
+  // The file tier, per group: swapped blocks kept in pinned host memory and read from the file;
+  // bytes the disk reads per step (or pass).
+  std::vector<int64_t> pinned_blocks, file_blocks;
+  std::vector<uint64_t> disk_read_bytes;
+  uint64_t host_bytes = 0;
   std::vector<int64_t> rotating_slots;       // per group (inference), 0 in training
   std::vector<double> block_forward_seconds; // per group: its largest block's forward
 };
@@ -26,8 +33,10 @@ struct Prediction {
 // The plan's step on the schedule simulator: each group a block list on one device, a block's
 // forward from --block-ms or --tflops/--tokens, backward twice the forward; in inference the
 // rotating slots the simulator finds fastest.
-Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanArgs& args) {
-  const LinkModel link{args.link_gbps * 1e9, 5e-6};
+Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanArgs& args,
+                   std::optional<uint64_t> host_budget) {
+  LinkModel link{args.link_gbps * 1e9, 5e-6};
+  link.disk_bytes_per_second = args.disk_gbps * 1e9;
   uint64_t largest = 1;
   for (const BlockGroup& g : layout.groups) largest = std::max(largest, g.largest_bytes());
   std::vector<BlockTiming> timings;
@@ -51,18 +60,53 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
   }
   p.rotating_slots = plan.mode == Mode::forward_only ? best_rotating_slots(ks, timings, link)
                                                      : std::vector<int64_t>(ks.size(), 0);
-  auto step = [&](const std::vector<int64_t>& k, const std::vector<int64_t>& r) {
+  // The three tiers: the host budget holds the swapped blocks (those a step loads), group by
+  // group in block order; the rest are read from the file for each load.
+  auto place_tiers = [&](const std::vector<Schedule>& schedules) {
+    uint64_t left = host_budget.value_or(0);
+    for (std::size_t i = 0; i < schedules.size(); ++i) {
+      std::vector<bool> swapped(timings[i].bytes.size(), false);
+      std::vector<int64_t> loads(timings[i].bytes.size(), 0);
+      for (const Op& op : schedules[i].pass()) {
+        if (op.kind != Op::Kind::move) continue;
+        swapped[static_cast<std::size_t>(op.move.in)] = true;
+        ++loads[static_cast<std::size_t>(op.move.in)];
+      }
+      timings[i].from_file.assign(swapped.size(), false);
+      int64_t pinned = 0, file = 0;
+      uint64_t read = 0;
+      for (std::size_t b = 0; b < swapped.size(); ++b) {
+        if (!swapped[b]) continue;
+        if (timings[i].bytes[b] <= left) {
+          left -= timings[i].bytes[b];
+          p.host_bytes += timings[i].bytes[b];
+          ++pinned;
+        } else {
+          timings[i].from_file[b] = true;
+          read += static_cast<uint64_t>(loads[b]) * timings[i].bytes[b];
+          ++file;
+        }
+      }
+      p.pinned_blocks.push_back(pinned);
+      p.file_blocks.push_back(file);
+      p.disk_read_bytes.push_back(read);
+    }
+  };
+  auto step = [&](const std::vector<int64_t>& k, const std::vector<int64_t>& r, bool tiers) {
     std::vector<Schedule> schedules;
     for (std::size_t i = 0; i < k.size(); ++i) {
       schedules.emplace_back(
           ScheduleOptions{static_cast<int64_t>(timings[i].bytes.size()), k[i], plan.mode, r[i]});
     }
+    for (BlockTiming& t : timings) t.from_file.clear();
+    if (tiers) place_tiers(schedules);
     std::vector<SimulatedList> lists;
     for (std::size_t i = 0; i < k.size(); ++i) lists.push_back({&schedules[i], &timings[i]});
     return simulate(lists, link).step_seconds;
   };
-  p.step_seconds = step(ks, p.rotating_slots);
-  p.noswap_seconds = step(none, none);
+  p.in_memory_seconds = step(ks, p.rotating_slots, false);
+  p.step_seconds = host_budget ? step(ks, p.rotating_slots, true) : p.in_memory_seconds;
+  p.noswap_seconds = step(none, none, false);
   return p;
 }
 
@@ -76,14 +120,16 @@ int plan_command(const PlanArgs& args) {
   const SafetensorsHeader header = read_safetensors_header(args.model);
   const ModelLayout layout = group_blocks(header.tensors);
   ModelPlan plan = plan_model(layout, budget, mode);
-  Prediction prediction = predict(plan, layout, args);
+  std::optional<uint64_t> host_budget;
+  if (!args.host_budget.empty()) host_budget = parse_size(args.host_budget);
+  Prediction prediction = predict(plan, layout, args, host_budget);
   // One or two groups: of the plans that fit, the one the simulator finds fastest (the fewest
   // bytes moved is not always the fastest: a group left with one slot cannot overlap its loads).
   if (layout.groups.size() <= 2) {
     for (const std::vector<int64_t>& ks :
          budget_frontier(block_lists(layout), budget, mode, layout.non_block_bytes)) {
       ModelPlan candidate = plan_model(layout, budget, mode, ks);
-      Prediction p = predict(candidate, layout, args);
+      Prediction p = predict(candidate, layout, args, host_budget);
       if (p.step_seconds < prediction.step_seconds * (1 - 1e-9) ||
           (p.step_seconds <= prediction.step_seconds * (1 + 1e-9) &&
            candidate.moved_bytes < plan.moved_bytes)) {
@@ -107,6 +153,12 @@ int plan_command(const PlanArgs& args) {
            {"moved_bytes", g.moved_bytes},
            {"rotating_slots", prediction.rotating_slots[groups.size()]},
            {"block_forward_seconds", prediction.block_forward_seconds[groups.size()]}});
+      if (host_budget) {
+        const std::size_t i = groups.size() - 1;
+        groups.back()["pinned_blocks"] = prediction.pinned_blocks[i];
+        groups.back()["file_blocks"] = prediction.file_blocks[i];
+        groups.back()["disk_read_bytes"] = prediction.disk_read_bytes[i];
+      }
     }
     nlohmann::json compute = {{"backward_factor", 2.0}};
     if (args.block_ms > 0) {
@@ -115,19 +167,25 @@ int plan_command(const PlanArgs& args) {
       compute["tflops"] = args.tflops;
       compute["tokens"] = args.tokens;
     }
-    const nlohmann::json out{{"model", args.model},
-                             {"mode", args.mode},
-                             {"budget_bytes", plan.budget_bytes},
-                             {"non_block_bytes", plan.non_block_bytes},
-                             {"device_bytes", plan.device_bytes},
-                             {"moved_bytes", plan.moved_bytes},
-                             {"link_gbps", args.link_gbps},
-                             {"compute", compute},
-                             {"predicted_step_seconds", prediction.step_seconds},
-                             {"predicted_noswap_seconds", prediction.noswap_seconds},
-                             {"predicted_overhead", overhead},
-                             {"rotating_slots", prediction.rotating_slots},
-                             {"groups", groups}};
+    nlohmann::json out{{"model", args.model},
+                       {"mode", args.mode},
+                       {"budget_bytes", plan.budget_bytes},
+                       {"non_block_bytes", plan.non_block_bytes},
+                       {"device_bytes", plan.device_bytes},
+                       {"moved_bytes", plan.moved_bytes},
+                       {"link_gbps", args.link_gbps},
+                       {"compute", compute},
+                       {"predicted_step_seconds", prediction.step_seconds},
+                       {"predicted_noswap_seconds", prediction.noswap_seconds},
+                       {"predicted_overhead", overhead},
+                       {"rotating_slots", prediction.rotating_slots},
+                       {"groups", groups}};
+    if (host_budget) {
+      out["host_budget_bytes"] = *host_budget;
+      out["host_bytes"] = prediction.host_bytes;
+      out["disk_gbps"] = args.disk_gbps;
+      out["predicted_in_memory_step_seconds"] = prediction.in_memory_seconds;
+    }
     std::cout << out.dump(2) << '\n';
     return 0;
   }
@@ -162,6 +220,22 @@ int plan_command(const PlanArgs& args) {
               mode == Mode::training ? "step" : "pass", args.link_gbps, compute.c_str(),
               mode == Mode::training ? ", backward 2x forward" : "", prediction.step_seconds,
               prediction.noswap_seconds, change.c_str());
+  if (host_budget) {
+    std::printf("\nthe file tier (host budget %s, disk %g GB/s):",
+                format_bytes(*host_budget).c_str(), args.disk_gbps);
+    uint64_t read = 0;
+    for (std::size_t i = 0; i < plan.groups.size(); ++i) {
+      std::printf(" %s %lld in host memory, %lld from the file;", plan.groups[i].name.c_str(),
+                  static_cast<long long>(prediction.pinned_blocks[i]),
+                  static_cast<long long>(prediction.file_blocks[i]));
+      read += prediction.disk_read_bytes[i];
+    }
+    std::printf("\n  %s in host memory, %s read from the file per %s: %.4g s against %.4g s with "
+                "every swapped block in host memory\n",
+                format_bytes(prediction.host_bytes).c_str(), format_bytes(read).c_str(),
+                mode == Mode::training ? "step" : "pass", prediction.step_seconds,
+                prediction.in_memory_seconds);
+  }
   if (mode == Mode::forward_only) {
     std::printf("rotating slots (Options::rotating_slots):");
     for (std::size_t i = 0; i < plan.groups.size(); ++i) {
