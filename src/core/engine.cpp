@@ -16,6 +16,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
+#include "blockswap/core/planner.hpp"
 
 namespace blockswap {
 namespace {
@@ -46,6 +47,22 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
                          options.rotating_slots, options.algorithm};
 }
 
+// Which blocks the file tier holds (core/planner.hpp, file_tier): the blocks either of the
+// engine's schedules moves take the host budget first.
+std::vector<bool> blocks_in_file(const std::vector<std::size_t>& bytes,
+                                 const EngineOptions& options) {
+  if (!options.file) return {};
+  std::vector<Schedule> schedules;
+  schedules.emplace_back(schedule_options(bytes.size(), options, Mode::forward_only));
+  if (options.supports_backward) {
+    schedules.emplace_back(schedule_options(bytes.size(), options, Mode::training));
+  }
+  std::vector<const Schedule*> pointers;
+  for (const Schedule& schedule : schedules) pointers.push_back(&schedule);
+  std::size_t left = options.file->host_budget_bytes;
+  return file_tier(bytes, pointers, left);
+}
+
 } // namespace
 
 Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> block_bytes,
@@ -54,10 +71,12 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
       is_forward_only_(!options_.supports_backward),
       store_((check_backend(backend_, label_), backend_), block_bytes, options_.trainable_bytes,
-             options_.host_memory, label_) {
-  BLOCKSWAP_CHECK(!store_.caller_memory() || options_.algorithm != Algorithm::seed, "[", label_,
+             options_.host_memory, label_, blocks_in_file(block_bytes, options_)) {
+  BLOCKSWAP_CHECK(!(store_.caller_memory() || options_.file) ||
+                      options_.algorithm != Algorithm::seed,
+                  "[", label_,
                   "] the seed's replay copies every block back to host memory, which "
-                  "EngineOptions::host_memory does not allow");
+                  "EngineOptions::host_memory and the file tier do not allow");
   if (options_.supports_backward) {
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
@@ -73,6 +92,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   slot_bytes_ = layout::slot_bytes(block_bytes);
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
+  if (options_.file) start_file_tier();
   if (options_.trace) {
     backend_->set_copy_observer([trace = options_.trace](const CopyRecord& copy) {
       trace->add(detail::concat(copy.to_device ? "load block " : "write back block ", copy.tag),
@@ -106,7 +126,8 @@ void Engine::Impl::check_block(int64_t block) const {
 
 std::byte* Engine::host_data(int64_t block) const {
   impl_->check_block(block);
-  return impl_->store_.buffer(block)->data();
+  const std::shared_ptr<Buffer>& buffer = impl_->store_.buffer(block);
+  return buffer ? buffer->data() : nullptr; // a block in the file has no host copy
 }
 
 std::shared_ptr<Buffer> Engine::host_buffer(int64_t block) const {
@@ -118,6 +139,11 @@ HostRegion Engine::host_trainable(int64_t block) const {
   std::lock_guard lock(impl_->mutex_);
   impl_->check_block(block);
   return impl_->store_.trainable(block);
+}
+
+bool Engine::in_file(int64_t block) const {
+  impl_->check_block(block);
+  return impl_->store_.in_file(block);
 }
 
 std::size_t Engine::block_bytes(int64_t block) const {
@@ -157,12 +183,15 @@ void Engine::prepare() {
   auto wanted = [&](int64_t b) { return !impl_->enabled_ || initial[b] >= 0; };
   impl_->ensure_slots(needed);
   bool placed = false;
+  std::vector<int64_t> loads;
   for (int64_t b = 0; b < n; ++b) {
     if (impl_->blocks_[b].slot >= 0 && !wanted(b)) {
       impl_->evict(b, false);
       placed = true;
     }
+    if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
   }
+  if (!loads.empty()) impl_->expect_loads(loads);
   int64_t free_slot = 0;
   for (int64_t b = 0; b < n; ++b) {
     if (!wanted(b) || impl_->blocks_[b].slot >= 0) continue;
@@ -383,8 +412,9 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   const std::size_t bytes = store_.bytes(block);
   backend_->poison(s.memory->data() + bytes, slot_bytes_ - bytes);
-  const HostStore::Source source = store_.load_source(block);
-  if (source.contiguous()) {
+  if (store_.in_file(block)) {
+    load_from_file(block, s.memory->data()); // may throw: nothing has changed
+  } else if (const HostStore::Source source = store_.load_source(block); source.contiguous()) {
     backend_->copy_to_device(s.memory->data(), source.frozen, bytes, block);
   } else {
     if (source.frozen_bytes > 0) {
@@ -470,6 +500,7 @@ void Engine::set_forward_only(bool forward_only) {
                   "] cannot leave forward-only mode: the engine was built without "
                   "supports_backward");
   impl_->is_forward_only_ = forward_only;
+  impl_->plan_reads();
 }
 
 bool Engine::forward_only() const {

@@ -41,10 +41,10 @@ int64_t modified_ns(const struct stat& s) {
 } // namespace
 
 FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
-                       std::vector<std::shared_ptr<Buffer>> staging, std::string label,
+                       const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
                        CacheBypass bypass)
-    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)),
-      free_(std::move(staging)) {
+    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)) {
+  for (const auto& buffer : staging) free_.push_back(Free{buffer, {}});
   BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_,
                            "] the file tier needs at least one "
                            "staging buffer");
@@ -75,7 +75,7 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
                         " does not fit its ", blocks_[b].bytes, " packed bytes");
       }
     }
-    for (const auto& buffer : free_) {
+    for (const auto& [buffer, copied] : free_) {
       BLOCKSWAP_CHECK(buffer && buffer->size() >= largest, "[", label_, "] a staging buffer of ",
                       buffer ? buffer->size() : 0, " bytes cannot hold the largest block (",
                       largest, " bytes)");
@@ -118,7 +118,7 @@ FileReader::Staged FileReader::next() {
   Request request = std::move(requests_.front());
   requests_.pop_front();
   if (request.failure) {
-    if (request.buffer) free_.push_back(std::move(request.buffer));
+    if (request.buffer) free_.push_back(Free{std::move(request.buffer), {}});
     lock.unlock();
     changed_.notify_all();
     std::rethrow_exception(request.failure);
@@ -126,13 +126,25 @@ FileReader::Staged FileReader::next() {
   return Staged{request.block, std::move(request.buffer)};
 }
 
-void FileReader::release(const Staged& staged) {
+void FileReader::release(const Staged& staged, std::function<void()> copied) {
   if (!staged.buffer) return;
   {
     std::lock_guard lock(mutex_);
-    free_.push_back(staged.buffer);
+    free_.push_back(Free{staged.buffer, std::move(copied)});
   }
   changed_.notify_all();
+}
+
+void FileReader::cancel() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] {
+    return std::none_of(requests_.begin(), requests_.end(),
+                        [](const Request& r) { return r.buffer && !r.done; });
+  });
+  for (Request& r : requests_) {
+    if (r.buffer) free_.push_back(Free{std::move(r.buffer), {}});
+  }
+  requests_.clear();
 }
 
 uint64_t FileReader::bytes_read() const {
@@ -157,13 +169,15 @@ void FileReader::run() {
       return request != nullptr && !free_.empty();
     });
     if (stopping_) return;
-    std::shared_ptr<Buffer> buffer = std::move(free_.back());
+    Free taken = std::move(free_.back());
     free_.pop_back();
+    const std::shared_ptr<Buffer> buffer = taken.buffer;
     request->buffer = buffer;
     const int64_t block = request->block;
     lock.unlock();
     std::exception_ptr failure;
     try {
+      if (taken.copied) taken.copied(); // the copy out of this buffer is done
       read_block(block, buffer->data());
     } catch (...) {
       failure = std::current_exception();

@@ -8,7 +8,8 @@ namespace blockswap {
 
 HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
                      const std::vector<std::size_t>& trainable_bytes,
-                     std::vector<std::shared_ptr<Buffer>> memory, const std::string& label)
+                     std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
+                     const std::vector<bool>& in_file)
     : backend_(std::move(backend)), caller_memory_(!memory.empty()) {
   const std::size_t n = block_bytes.size();
   BLOCKSWAP_CHECK(memory.empty() || memory.size() == n, "[", label, "] host_memory has ",
@@ -16,15 +17,24 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
   BLOCKSWAP_CHECK(trainable_bytes.empty() || trainable_bytes.size() == n, "[", label,
                   "] trainable_bytes has ", trainable_bytes.size(), " entries for ", n,
                   " blocks: give one per block, or none");
+  BLOCKSWAP_CHECK(in_file.empty() || in_file.size() == n, "[", label, "] the file tier has ",
+                  in_file.size(), " entries for ", n, " blocks: give one per block, or none");
   blocks_.resize(n);
   for (std::size_t i = 0; i < n; ++i) {
     Block& block = blocks_[i];
     block.bytes = block_bytes[i];
-    block.trainable = !trainable_bytes.empty() ? trainable_bytes[i]
-                      : caller_memory_         ? 0
-                                               : block.bytes;
+    block.in_file = !in_file.empty() && in_file[i];
+    block.trainable = !trainable_bytes.empty()          ? trainable_bytes[i]
+                      : caller_memory_ || block.in_file ? 0
+                                                        : block.bytes;
     BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label, "] block ", i, " has ", block.bytes,
                     " bytes, fewer than its ", block.trainable, " trainable bytes");
+    if (block.in_file) {
+      BLOCKSWAP_CHECK(block.trainable == 0, "[", label, "] block ", i, " has ", block.trainable,
+                      " trainable bytes, which cannot live in the model's file: the file tier "
+                      "holds frozen blocks only (give the host budget room for this block)");
+      continue;
+    }
     if (!caller_memory_) {
       block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
       continue;

@@ -63,29 +63,26 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
   // The three tiers: the host budget holds the swapped blocks (those a step loads), group by
   // group in block order; the rest are read from the file for each load.
   auto place_tiers = [&](const std::vector<Schedule>& schedules) {
-    uint64_t left = host_budget.value_or(0);
+    std::size_t left = host_budget.value_or(0);
     for (std::size_t i = 0; i < schedules.size(); ++i) {
-      std::vector<bool> swapped(timings[i].bytes.size(), false);
+      const std::size_t before = left;
+      const Schedule* schedule = &schedules[i];
+      timings[i].from_file = file_tier(timings[i].bytes, {&schedule, 1}, left);
+      p.host_bytes += before - left;
       std::vector<int64_t> loads(timings[i].bytes.size(), 0);
-      for (const Op& op : schedules[i].pass()) {
-        if (op.kind != Op::Kind::move) continue;
-        swapped[static_cast<std::size_t>(op.move.in)] = true;
-        ++loads[static_cast<std::size_t>(op.move.in)];
+      for (const Op& op : schedule->pass()) {
+        if (op.kind == Op::Kind::move) ++loads[static_cast<std::size_t>(op.move.in)];
       }
-      timings[i].from_file.assign(swapped.size(), false);
       int64_t pinned = 0, file = 0;
       uint64_t read = 0;
-      for (std::size_t b = 0; b < swapped.size(); ++b) {
-        if (!swapped[b]) continue;
-        if (timings[i].bytes[b] <= left) {
-          left -= timings[i].bytes[b];
-          p.host_bytes += timings[i].bytes[b];
+      for (std::size_t b = 0; b < loads.size(); ++b) {
+        if (loads[b] == 0) continue; // never moves: placed once
+        if (!timings[i].from_file[b]) {
           ++pinned;
-        } else {
-          timings[i].from_file[b] = true;
-          read += static_cast<uint64_t>(loads[b]) * timings[i].bytes[b];
-          ++file;
+          continue;
         }
+        read += static_cast<uint64_t>(loads[b]) * timings[i].bytes[b];
+        ++file;
       }
       p.pinned_blocks.push_back(pinned);
       p.file_blocks.push_back(file);

@@ -26,15 +26,32 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/file_reader.hpp"
 #include "blockswap/core/host_store.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 
 namespace blockswap {
+
+// The file tier (DESIGN.md, "Tiers"; Note [the file tier] in engine_file.cpp): blocks whose bytes
+// are read from the model's file for each load, through a ring of pinned staging buffers, instead
+// of being held in host memory.
+struct FileTier {
+  std::string path;
+  // Every block's packed bytes in the file (its ranges cover what it needs; padding between
+  // tensors is left as the staging buffer had it).
+  std::vector<FileBlock> blocks;
+  // Host memory for the blocks a pass moves, in block order while it lasts (core/planner.hpp,
+  // file_tier); the others are read from the file, the blocks that never move once, when placed.
+  std::size_t host_budget_bytes = 0;
+  int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
+  CacheBypass bypass = CacheBypass::direct;
+};
 
 struct EngineOptions {
   int64_t blocks_to_swap = 0;     // K
@@ -55,12 +72,16 @@ struct EngineOptions {
   // engine never writes it, so its blocks may not change on the device (no trainable bytes).
   // Empty: the engine allocates every block's.
   std::vector<std::shared_ptr<Buffer>> host_memory = {};
+  // When set, the blocks over the host budget stay in the model's file (FileTier above); they
+  // may have no trainable bytes. Unset: every block is in host memory.
+  std::optional<FileTier> file = {};
 };
 
 struct Stats {
   uint64_t h2d_bytes = 0;
   uint64_t d2h_bytes = 0;
-  uint64_t moves = 0; // blocks loaded into a slot by a move (prepare not counted)
+  uint64_t moves = 0;      // blocks loaded into a slot by a move (prepare not counted)
+  uint64_t disk_bytes = 0; // bytes of the loads read from the file tier
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.
   double stall_seconds = 0;
@@ -117,8 +138,9 @@ public:
 
   int64_t blocks() const;
   const std::string& label() const;
-  // The host copy of block i's weights: fill it before prepare(). host_buffer shares it, so
-  // that the weights can outlive the engine (e.g. as tensors over it). Once changes of the block
+  // The host copy of block i's weights: fill it before prepare(); null for a block in the file
+  // (in_file). host_buffer shares it, so that the weights can outlive the engine (e.g. as
+  // tensors over it). Once changes of the block
   // were written back, its trainable bytes (EngineOptions::trainable_bytes) are elsewhere:
   // host_trainable(i) says where, now.
   std::byte* host_data(int64_t block) const;
@@ -126,6 +148,8 @@ public:
   HostRegion host_trainable(int64_t block) const;
   std::size_t block_bytes(int64_t block) const;
   std::size_t slot_bytes() const; // core/layout.hpp
+  // Whether block i is read from the model's file for each load (EngineOptions::file).
+  bool in_file(int64_t block) const;
 
   // Places blocks as the current schedule starts (all of them when swapping is disabled).
   // When it moves blocks it waits until they are loaded, like the seed's; in the steady state

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -50,7 +51,7 @@ public:
   // block's bytes, and that each staging buffer holds the largest block: Error naming `label`,
   // the block and the file otherwise. Starts the reader thread.
   FileReader(std::string path, std::vector<FileBlock> blocks,
-             std::vector<std::shared_ptr<Buffer>> staging, std::string label,
+             const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
              CacheBypass bypass = CacheBypass::direct);
   ~FileReader(); // stops the thread; reads in flight finish first
 
@@ -68,8 +69,14 @@ public:
     std::shared_ptr<Buffer> buffer;
   };
   Staged next();
-  // The buffer of a block next() gave is free again (its copy to the device is done).
-  void release(const Staged& staged);
+  // The buffer of a block next() gave is free again once `copied` returns (it waits for the
+  // copy out of it, e.g. an event on the copy stream): the thread calls it before it reads into
+  // that buffer again, so that a copy still in flight delays only the read that needs its
+  // buffer. A throw from `copied` fails that read. Empty: free at once.
+  void release(const Staged& staged, std::function<void()> copied = {});
+  // Forgets every requested block next() has not given (the caller's order changed): waits for
+  // a read in flight, and frees their buffers.
+  void cancel();
 
   // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
   bool direct() const { return direct_; }
@@ -102,7 +109,11 @@ private:
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
-  std::vector<std::shared_ptr<Buffer>> free_;
+  struct Free {
+    std::shared_ptr<Buffer> buffer;
+    std::function<void()> copied; // wait for the copy out of it before writing it
+  };
+  std::vector<Free> free_;
   std::deque<Request> requests_; // in the order asked; next() takes the front
   uint64_t bytes_read_ = 0;
   bool stopping_ = false;

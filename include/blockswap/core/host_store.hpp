@@ -36,11 +36,14 @@ public:
   // end, may change on the device (empty: all of every block's, or none with `memory`).
   // `memory[i]`: host memory the caller holds for block i, at least its bytes, filled by the
   // caller and never written by the store, so its blocks have no trainable bytes (empty: the
-  // store allocates every block's from `backend`). Throws Error naming the block and `label`
-  // for sizes that do not agree.
+  // store allocates every block's from `backend`). `in_file[i]`: block i's bytes stay in the
+  // model's file (the file tier, which reads them for each load): the store holds no host
+  // memory for it, and it may have no trainable bytes (empty: no block). Throws Error naming the
+  // block and `label` for sizes that do not agree.
   HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
             const std::vector<std::size_t>& trainable_bytes,
-            std::vector<std::shared_ptr<Buffer>> memory, const std::string& label);
+            std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
+            const std::vector<bool>& in_file = {});
 
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   std::size_t bytes(int64_t block) const { return blocks_[block].bytes; }
@@ -48,6 +51,8 @@ public:
   std::size_t frozen_bytes(int64_t block) const { return bytes(block) - trainable_bytes(block); }
   // Whether the caller gave the memory (the store never writes it).
   bool caller_memory() const { return caller_memory_; }
+  // Whether block i's bytes are in the file, not in host memory (buffer(i) is null).
+  bool in_file(int64_t block) const { return blocks_[block].in_file; }
 
   // Block i's host buffer: its packed bytes as first filled. Its frozen bytes stay the
   // authoritative ones; its trainable bytes are authoritative until the first write-back.
@@ -95,7 +100,8 @@ private:
   // their own, allocated at the first write-back.
   enum class Region { packed, spare };
   struct Block {
-    std::shared_ptr<Buffer> host;
+    std::shared_ptr<Buffer> host; // null for a block in the file
+    bool in_file = false;
     std::size_t bytes = 0;
     std::size_t trainable = 0;
     std::shared_ptr<Buffer> spare;
