@@ -60,12 +60,20 @@ torch::Tensor TransformerBlockImpl::forward(const torch::Tensor& x) {
   return h + fc2_(torch::gelu(fc1_(norm2_(h))));
 }
 
-ReferenceTransformer::ReferenceTransformer(TransformerConfig config) : config_(config) {
+ReferenceTransformer::ReferenceTransformer(TransformerConfig config)
+    : ReferenceTransformer(config, false) {}
+
+ReferenceTransformer::ReferenceTransformer(TransformerConfig config, bool frozen_empty)
+    : config_(config) {
   BLOCKSWAP_CHECK(config.blocks >= 1, "the reference transformer needs at least one block");
   BLOCKSWAP_CHECK(config.hidden >= 1, "hidden size must be positive, got ", config.hidden);
   torch::manual_seed(config.seed);
   for (int64_t i = 0; i < config.blocks; ++i) {
     blocks_.emplace_back(config.hidden, config.heads, config.lora_rank);
+    if (!frozen_empty) continue;
+    for (auto& p : blocks_.back()->parameters()) { // the same random draws, then let go
+      if (!p.requires_grad()) p.set_data(torch::empty(p.sizes(), p.options()));
+    }
   }
 }
 
@@ -253,10 +261,28 @@ TransformerConfig ReferenceTransformer::config_of(const std::string& path) {
 }
 
 ReferenceTransformer ReferenceTransformer::load(const std::string& path, int64_t adapter_rank) {
+  return load(path, adapter_rank, false);
+}
+
+ReferenceTransformer ReferenceTransformer::load_frozen_empty(const std::string& path,
+                                                             int64_t adapter_rank) {
+  return load(path, adapter_rank, true);
+}
+
+ReferenceTransformer ReferenceTransformer::load(const std::string& path, int64_t adapter_rank,
+                                                bool frozen_empty) {
   const SafetensorsHeader header = read_safetensors_header(path);
   TransformerConfig config = checked_config(path, header);
   if (config.lora_rank == 0 && adapter_rank > 0) config.lora_rank = adapter_rank; // fresh ones
-  ReferenceTransformer model(config);
+  ReferenceTransformer model(config, frozen_empty);
+  std::set<const void*> empty; // not read: the offloader reads them
+  if (frozen_empty) {
+    for (const auto& block : model.blocks_) {
+      for (const auto& p : block->parameters()) {
+        if (!p.requires_grad()) empty.insert(p.unsafeGetTensorImpl());
+      }
+    }
+  }
 
   std::ifstream file(path, std::ios::binary);
   BLOCKSWAP_CHECK(file.is_open(), "cannot open '", path, "'");
@@ -270,6 +296,7 @@ ReferenceTransformer ReferenceTransformer::load(const std::string& path, int64_t
     BLOCKSWAP_ASSERT(target != nullptr && target->sizes() == c10::IntArrayRef(t.shape) &&
                          target->nbytes() == t.bytes(),
                      t.name);
+    if (empty.contains(target->unsafeGetTensorImpl())) continue;
     file.seekg(static_cast<std::streamoff>(header.data_offset() + t.begin));
     file.read(static_cast<char*>(target->data_ptr()), static_cast<std::streamsize>(t.bytes()));
     BLOCKSWAP_CHECK(file.good(), path, ": cannot read tensor '", t.name, "'");

@@ -55,6 +55,11 @@ public:
   // block index or a malformed `heads` metadata value. A file without adapters gets fresh
   // (deterministic) adapters of rank `adapter_rank` when it is positive, for training.
   static ReferenceTransformer load(const std::string& path, int64_t adapter_rank = 0);
+  // The same model with its frozen weights built empty (torch::empty: memory never touched, so
+  // never resident): for an offloader that reads them from the file (Options::weights_file and
+  // weights_from_file). Adapters are read, or made as load() makes them. Host memory peaks at
+  // one block.
+  static ReferenceTransformer load_frozen_empty(const std::string& path, int64_t adapter_rank = 0);
   // The configuration a file holds (blocks, hidden, heads, adapter rank), from its header alone.
   static TransformerConfig config_of(const std::string& path);
   void save(const std::string& path) const;
@@ -72,6 +77,10 @@ public:
   torch::Tensor example_input(int64_t batch, int64_t tokens) const;
 
 private:
+  ReferenceTransformer(TransformerConfig config, bool frozen_empty);
+  static ReferenceTransformer load(const std::string& path, int64_t adapter_rank,
+                                   bool frozen_empty);
+
   TransformerConfig config_;
   std::vector<TransformerBlock> blocks_;
 };

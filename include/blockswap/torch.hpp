@@ -45,6 +45,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <variant>
@@ -198,6 +199,25 @@ struct Options {
   // Several ranks of a node share the frozen weights' host copy (above); empty: this process
   // holds its own.
   NodeSharing node_sharing = {};
+  // The model's safetensors file, which holds the blocks' frozen weights (docs/guide.md, "When
+  // the model does not fit in host memory"): block b's tensor `name` is
+  // weights_prefix + b + "." + name in it (peft's ".base_layer" left out). The blocks the file
+  // tier reads from it (host_budget_bytes) must hold the file's values: checked, once, here.
+  // Empty: none.
+  std::string weights_file = {};
+  // The frozen parameters' values are read from weights_file, whatever the tensors hold: blocks
+  // built empty (torch::empty, whose memory is never touched) are loaded without a second copy
+  // of the model in host memory. Needs weights_file.
+  bool weights_from_file = false;
+  // The blocks' names in weights_file ("transformer_blocks."); empty: the one prefix under which
+  // every block's frozen tensors are found, with their shapes and dtypes.
+  std::string weights_prefix = {};
+  // The file tier: pinned host memory for the blocks that move, in block order while it lasts;
+  // the others are read from weights_file for each load (the blocks that never move once), and
+  // their tensors off the device are views of the file, read on demand. Unset: every block in
+  // host memory. Needs weights_file; their trainable parameters (full fine-tuning) must fit.
+  std::optional<std::size_t> host_budget_bytes = std::nullopt;
+  int64_t staging_buffers = 2; // the file tier's ring of pinned buffers, each a slot's size
 
   // Throws blockswap::InvalidArgument, naming the option and `label`, for an option out of
   // range for `blocks` blocks or options that contradict each other. The one place options are

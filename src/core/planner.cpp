@@ -313,10 +313,12 @@ std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
     }
   }
   std::vector<bool> from_file(block_bytes.size(), true);
-  for (std::size_t b = 0; b < block_bytes.size(); ++b) {
-    if (!moved[b] || block_bytes[b] > host_budget_left) continue;
-    host_budget_left -= block_bytes[b];
-    from_file[b] = false;
+  for (bool moving : {true, false}) {
+    for (std::size_t b = 0; b < block_bytes.size(); ++b) {
+      if (moved[b] != moving || block_bytes[b] > host_budget_left) continue;
+      host_budget_left -= block_bytes[b];
+      from_file[b] = false;
+    }
   }
   return from_file;
 }

@@ -21,6 +21,7 @@ BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, std::string label, c1
 at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
   // The view shares the buffer: the weights outlive the engine. Trainable tensors are where
   // the block's trainable bytes are now.
+  if (t.role == Role::frozen && in_file(block)) return view(file_map_, t.file_offset, t, at::kCPU);
   if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
   const HostRegion& trainable = trainable_hosts_[block];
   return view(trainable.buffer, trainable.offset + (t.offset - layouts_[block].trainable_offset), t,
@@ -50,6 +51,13 @@ void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data,
 // inference tensor, which autograd refuses to save; the module's tensors must stay normal
 // ones, so every view is made with inference mode off.
 
+void BlockBinder::use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
+                           std::function<void(int64_t, std::byte*)> read) {
+  file_map_ = std::move(map);
+  in_file_ = std::move(in_file);
+  read_ = std::move(read);
+}
+
 void BlockBinder::pack(Engine& engine, HostCopies copies) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   shared_ = copies != HostCopies::own;
@@ -57,8 +65,10 @@ void BlockBinder::pack(Engine& engine, HostCopies copies) {
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
     trainable_hosts_.push_back(HostRegion{hosts_.back(), layouts_[b].trainable_offset});
-    if (copies == HostCopies::shared_filled) continue;
+    if (copies == HostCopies::shared_filled || in_file(static_cast<int64_t>(b))) continue;
+    if (read_) read_(static_cast<int64_t>(b), hosts_[b]->data()); // built empty
     for (const PackedTensor& t : layouts_[b].tensors) {
+      if (read_ && t.role == Role::frozen) continue;
       if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
         const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
         std::memset(zeros.data_ptr(), 0, zeros.numel() * zeros.element_size());
@@ -112,6 +122,12 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
+  BLOCKSWAP_CHECK(!in_file(block) || t.role != Role::frozen, "[", label_, "] frozen tensor '",
+                  t.name, "' of block ", block,
+                  " was changed, but the block is read from the model's file for each load (the "
+                  "file tier, host_budget_bytes), so the change cannot be kept: change weights "
+                  "before building the offloader and give the file they are saved in, or give "
+                  "the host budget room for this block");
   const at::Tensor host = host_view(block, t);
   if (now.data_ptr() != host.data_ptr()) {
     at::NoGradGuard no_grad;

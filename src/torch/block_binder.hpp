@@ -26,6 +26,15 @@ public:
   BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device, bool strict);
 
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
+  // Before pack(): for setting where each frozen tensor is in the model's file.
+  std::vector<BlockLayout>& layouts_to_locate() { return layouts_; }
+  // Before pack(), with the file tier (Options::host_budget_bytes): `in_file[b]` says which blocks
+  // the engine reads from the model's file; their tensors off the device are views of `map`
+  // (the file, mapped: file_weights.hpp) at their file_offset, and a change of theirs raises, as
+  // the next load reads the file. `read`, when set, fills a block's packed host copy from the
+  // file instead of from its tensors, which were built empty (Options::weights_from_file).
+  void use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
+                std::function<void(int64_t block, std::byte* packed)> read);
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
   // (Options::node_sharing) that this process fills, or that another rank of the node filled
   // and pack() only binds to. The caller's writes into node-shared frozen weights raise.
@@ -95,6 +104,12 @@ private:
   c10::Device device_;
   bool strict_ = false;
   bool shared_ = false; // node-shared host copies (pack)
+  std::shared_ptr<Buffer> file_map_;
+  std::vector<bool> in_file_; // empty: no block
+  std::function<void(int64_t, std::byte*)> read_;
+  bool in_file(int64_t block) const {
+    return !in_file_.empty() && in_file_[static_cast<std::size_t>(block)];
+  }
 };
 
 } // namespace blockswap::torch_frontend

@@ -27,7 +27,11 @@ Claims& claims() {
 
 // Why `tensor` cannot be swapped, or nothing.
 std::string unusable(const at::Tensor& tensor, c10::Device device) {
-  if (tensor.is_meta()) return "is a meta tensor (it holds no values): load its weights first";
+  if (tensor.is_meta()) {
+    return "is a meta tensor (it holds no values): load its weights first, or build it empty "
+           "(torch::empty) and give the file its values are in (Options::weights_file and "
+           "weights_from_file; Python: weights_file=, which takes meta frozen weights)";
+  }
   if (tensor.is_sparse() || tensor.layout() != c10::kStrided) {
     return "is not a dense tensor: blockswap swaps dense (strided) tensors only";
   }

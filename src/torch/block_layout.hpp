@@ -8,6 +8,7 @@
 #include <c10/core/Device.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -30,6 +31,7 @@ struct PackedTensor {
   std::size_t offset = 0;
   std::vector<int64_t> sizes;
   c10::ScalarType dtype = c10::ScalarType::Float;
+  uint64_t file_offset = 0; // a frozen tensor's first byte in the model's file (file_weights.hpp)
 };
 
 // A trainable parameter of a block and its optimizer state, as indices into

@@ -9,6 +9,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
+#include "file_weights.hpp"
 #include "fine_tune.hpp"
 #include "node_sharing.hpp"
 #include "torch_compat.hpp"
@@ -105,6 +106,14 @@ public:
 
   void build() {
     EngineOptions engine_options;
+    if (!options_.weights_file.empty()) {
+      file_ = torch_frontend::locate_weights(options_.weights_file, options_.weights_prefix,
+                                             binder_.layouts_to_locate(), label_);
+      if (options_.host_budget_bytes) {
+        engine_options.file = FileTier{file_->path, file_->blocks, *options_.host_budget_bytes,
+                                       options_.staging_buffers, CacheBypass::direct};
+      }
+    }
     engine_options.supports_backward = options_.supports_backward;
     engine_options.rotating_slots = options_.rotating_slots;
     engine_options.algorithm = options_.algorithm;
@@ -129,6 +138,7 @@ public:
     const std::shared_ptr<Backend> backend = device_->attach(label_);
     engine_ =
         std::make_unique<Engine>(backend, std::move(bytes), std::move(engine_options), label_);
+    if (file_) use_file();
     auto resident = resident_on(blocks_, torch_device_, fine_tuner_.enabled());
     using HostCopies = torch_frontend::BlockBinder::HostCopies;
     const HostCopies copies = !share_           ? HostCopies::own
@@ -147,6 +157,29 @@ public:
     for (auto& [tensor, on_device] : resident) tensor.set_data(on_device);
     engine_->set_listener(&binder_);
     outputs_seen_.assign(blocks_.size(), false);
+  }
+
+  // The model's file (Options::weights_file): with weights_from_file, the frozen tensors' values
+  // are read from it; otherwise, with the file tier, blocks read from it for each load must hold
+  // its values (checked once, here). Their tensors off the device are views of it.
+  void use_file() {
+    std::vector<bool> in_file;
+    bool any = false;
+    for (int64_t b = 0; b < engine_->blocks(); ++b) {
+      in_file.push_back(engine_->in_file(b));
+      any = any || in_file.back();
+      if (in_file.back() && !options_.weights_from_file) {
+        torch_frontend::check_same_as_file(*file_, binder_.layouts()[b], b, label_);
+      }
+    }
+    std::function<void(int64_t, std::byte*)> read;
+    if (options_.weights_from_file) {
+      read = [this](int64_t block, std::byte* packed) {
+        torch_frontend::read_frozen(*file_, binder_.layouts()[block], block, packed, label_);
+      };
+    }
+    binder_.use_file(any ? torch_frontend::map_file(file_->path, label_) : nullptr,
+                     std::move(in_file), std::move(read));
   }
 
   // What needs the offloader shared: hooks that find it while it lives.
@@ -337,6 +370,7 @@ private:
   torch_frontend::FineTuner fine_tuner_;
   std::vector<TensorBlock> blocks_;
   BlockBinder binder_;
+  std::optional<torch_frontend::FileWeights> file_; // Options::weights_file
   int64_t blocks_to_swap_ = 0;
   std::unique_ptr<Engine> engine_;
   // bracket_outputs saw block i's outputs since its wait: the plain submit may follow.

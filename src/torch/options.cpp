@@ -49,6 +49,25 @@ void Options::check(const std::string& label, int64_t blocks) const {
                            at, "emulated_link_gbps is ", emulated_link_gbps,
                            "; it must be 0 (unlimited) or finite and >= 0.001");
 
+  // The model's file and the file tier.
+  BLOCKSWAP_CHECK_ARGUMENT(!host_budget_bytes || !weights_file.empty(), at,
+                           "host_budget_bytes needs weights_file: the blocks over the budget are "
+                           "read from the model's file");
+  BLOCKSWAP_CHECK_ARGUMENT(!weights_from_file || !weights_file.empty(), at,
+                           "weights_from_file reads the blocks' weights from weights_file, which "
+                           "is not set");
+  BLOCKSWAP_CHECK_ARGUMENT(weights_prefix.empty() || !weights_file.empty(), at,
+                           "weights_prefix names the blocks in weights_file, which is not set");
+  BLOCKSWAP_CHECK_ARGUMENT(staging_buffers >= 1, at, "staging_buffers=", staging_buffers,
+                           " must be >= 1");
+  BLOCKSWAP_CHECK_ARGUMENT(weights_file.empty() || !node_sharing, at,
+                           "weights_file with node_sharing: the ranks of a node read the file "
+                           "each on their own, without node sharing (docs/guide.md, \"When the "
+                           "model does not fit in host memory\")");
+  BLOCKSWAP_CHECK_ARGUMENT(!host_budget_bytes || algorithm != Algorithm::seed, at,
+                           "the seed's replay copies every block back to host memory, which the "
+                           "file tier (host_budget_bytes) does not allow");
+
   // Full fine-tuning.
   BLOCKSWAP_CHECK_ARGUMENT(gradient_accumulation_steps >= 1, at,
                            "gradient_accumulation_steps must be an int >= 1, got ",

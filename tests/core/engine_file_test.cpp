@@ -104,7 +104,7 @@ std::shared_ptr<EmulatedDevice> device() {
   return std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{.link_gbps = 4.0});
 }
 
-TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstAndTheFileTheRest) {
+TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstThenTheOthersAndTheFileTheRest) {
   const ModelFile file(8, 1000); // 4000 B per block
   EngineOptions options{.blocks_to_swap = 3};
   options.file = file.tier(2 * 4000 + 100);
@@ -113,6 +113,15 @@ TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstAndTheFileTheRest) {
   std::vector<bool> in_file;
   for (int64_t b = 0; b < 8; ++b) in_file.push_back(engine.in_file(b));
   EXPECT_EQ(in_file, (std::vector<bool>{false, false, true, true, true, true, true, true}));
+  // Room left after the moved blocks goes to the blocks that never move, in block order.
+  options.file = file.tier(6 * 4000 + 100);
+  Engine roomy(device(), file.bytes, options);
+  int64_t in_host = 0;
+  for (int64_t b = 0; b < 8; ++b) in_host += roomy.in_file(b) ? 0 : 1;
+  EXPECT_EQ(in_host, 6);
+  for (const Op& op : roomy.schedule().pass()) {
+    if (op.kind == Op::Kind::move) EXPECT_FALSE(roomy.in_file(op.move.in)) << op.move.in;
+  }
 }
 
 TEST(FileTier, InferenceFromTheFileIsExactAtEveryBudget) {

@@ -46,8 +46,9 @@ struct FileTier {
   // Every block's packed bytes in the file (its ranges cover what it needs; padding between
   // tensors is left as the staging buffer had it).
   std::vector<FileBlock> blocks;
-  // Host memory for the blocks a pass moves, in block order while it lasts (core/planner.hpp,
-  // file_tier); the others are read from the file, the blocks that never move once, when placed.
+  // Host memory for the blocks a pass moves, in block order while it lasts, then for the others
+  // (core/planner.hpp, file_tier); the rest are read from the file, a block that never moves
+  // once, when placed.
   std::size_t host_budget_bytes = 0;
   int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
   CacheBypass bypass = CacheBypass::direct;

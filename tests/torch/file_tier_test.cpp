@@ -1,0 +1,258 @@
+// The file tier through ModelOffloader: the reference transformer's frozen weights read from its
+// safetensors file (Options::weights_file, host_budget_bytes), at several K and host budgets,
+// built with its weights in memory or on the meta device; inference and LoRA training bitwise
+// the model run without blockswap; every failure an Error that loses nothing.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/torch.hpp"
+#include "reference_transformer.hpp"
+
+namespace blockswap {
+namespace {
+
+namespace fs = std::filesystem;
+using models::ReferenceTransformer;
+using models::TransformerConfig;
+
+constexpr TransformerConfig kConfig{6, 32, 4, 4, 0}; // blocks, hidden, heads, LoRA rank, seed
+
+struct Scratch {
+  fs::path dir = fs::temp_directory_path() / ("blockswap-file-tier-" + std::to_string(::getpid()));
+  Scratch() { fs::create_directories(dir); }
+  ~Scratch() { fs::remove_all(dir); }
+  std::string file(const std::string& name) const { return (dir / name).string(); }
+};
+
+// The model saved, and the path of its file.
+std::string saved(const Scratch& scratch) {
+  const std::string path = scratch.file("model.safetensors");
+  if (!fs::exists(path)) ReferenceTransformer(kConfig).save(path);
+  return path;
+}
+
+std::vector<torch::Tensor> infer(ReferenceTransformer& model, ModelOffloader* offloader,
+                                 int passes) {
+  torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> out;
+  const torch::Tensor input = model.example_input(2, 5);
+  for (int pass = 0; pass < passes; ++pass) {
+    torch::Tensor x = input;
+    if (offloader) offloader->prepare_block_devices_before_forward();
+    for (int64_t i = 0; i < int64_t(model.blocks().size()); ++i) {
+      x = offloader ? offloader->run_block(i, {x},
+                                           [&, i](const torch::autograd::variable_list& in) {
+                                             return torch::autograd::variable_list{
+                                                 model.blocks()[i]->forward(in[0])};
+                                           })[0]
+                    : model.blocks()[i]->forward(x);
+    }
+    out.push_back(x);
+  }
+  return out;
+}
+
+// Three SGD steps on the adapters: each step's loss, then the adapters.
+std::vector<torch::Tensor> train(ReferenceTransformer& model, ModelOffloader* offloader) {
+  torch::optim::SGD sgd(model.lora_parameters(), torch::optim::SGDOptions(0.1));
+  const torch::Tensor input = model.example_input(2, 5);
+  std::vector<torch::Tensor> out;
+  for (int step = 0; step < 3; ++step) {
+    torch::Tensor x = input;
+    if (offloader) offloader->prepare_block_devices_before_forward();
+    for (int64_t i = 0; i < int64_t(model.blocks().size()); ++i) {
+      x = offloader ? offloader->run_block(i, {x},
+                                           [&, i](const torch::autograd::variable_list& in) {
+                                             return torch::autograd::variable_list{
+                                                 model.blocks()[i]->forward(in[0])};
+                                           })[0]
+                    : model.blocks()[i]->forward(x);
+    }
+    const torch::Tensor loss = x.pow(2).mean();
+    sgd.zero_grad();
+    loss.backward();
+    sgd.step();
+    out.push_back(loss.detach().clone());
+  }
+  for (const auto& p : model.lora_parameters()) out.push_back(p.detach().clone());
+  return out;
+}
+
+void expect_bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << "result " << i;
+}
+
+Options file_tier(const std::string& path, int64_t k, std::size_t host_budget, bool train,
+                  bool empty = true) {
+  Options options;
+  options.weights_from_file = empty;
+  options.blocks_to_swap = k;
+  options.supports_backward = train;
+  options.weights_file = path;
+  options.host_budget_bytes = host_budget;
+  return options;
+}
+
+std::size_t block_bytes(const ReferenceTransformer& model) {
+  return packed_block_bytes(model.modules())[0]; // every block's is the same
+}
+
+TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain(kConfig);
+  const auto expected = infer(plain, nullptr, 3);
+  for (int64_t k : {1, 3, 5}) {
+    for (std::size_t budget_blocks : {0, 1, 6}) {
+      for (bool empty : {false, true}) {
+        SCOPED_TRACE(detail::concat("K ", k, ", host budget ", budget_blocks,
+                                    " blocks, built empty ", empty));
+        ReferenceTransformer model =
+            empty ? ReferenceTransformer::load_frozen_empty(path) : ReferenceTransformer(kConfig);
+        ModelOffloader offloader(
+            "blocks", model.modules(),
+            file_tier(path, k, budget_blocks * block_bytes(model) + 1, false, empty));
+        expect_bitwise(infer(model, &offloader, 3), expected);
+        if (budget_blocks == 0) EXPECT_GT(offloader.stats().disk_bytes, 0u);
+        if (budget_blocks == 6) EXPECT_EQ(offloader.stats().disk_bytes, 0u);
+        // Off the device, a block's weights read their true values (views of the file).
+        torch::NoGradGuard no_grad;
+        for (int64_t b = 0; b < kConfig.blocks; ++b) {
+          if (offloader.is_resident(b)) continue;
+          const auto params = model.blocks()[b]->named_parameters();
+          const auto plains = plain.blocks()[b]->named_parameters();
+          for (const auto& item : params) {
+            EXPECT_TRUE(torch::equal(item.value(), plains[item.key()])) << item.key();
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(FileTier, LoraTrainingIsBitwiseAtEveryKAndHostBudget) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain(kConfig);
+  const auto expected = train(plain, nullptr);
+  for (int64_t k : {1, 2, 4}) {
+    for (std::size_t budget_blocks : {0, 2}) {
+      SCOPED_TRACE(detail::concat("K ", k, ", host budget ", budget_blocks, " blocks"));
+      ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
+      ModelOffloader offloader("blocks", model.modules(),
+                               file_tier(path, k, budget_blocks * block_bytes(model), true));
+      expect_bitwise(train(model, &offloader), expected);
+    }
+  }
+}
+
+TEST(FileTier, WeightsFileAloneFillsEmptyBlocksInHostMemory) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
+  Options options;
+  options.blocks_to_swap = 3;
+  options.weights_file = path; // no host budget: every block in host memory, read once
+  options.weights_from_file = true;
+  ModelOffloader offloader("blocks", model.modules(), options);
+  expect_bitwise(infer(model, &offloader, 2), infer(plain, nullptr, 2));
+  EXPECT_EQ(offloader.stats().disk_bytes, 0u);
+}
+
+TEST(FileTier, WeightsThatDifferFromTheFileAreRefused) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer model(kConfig);
+  {
+    torch::NoGradGuard no_grad;
+    model.blocks()[4]->named_parameters()["fc1.weight"][0][0] += 1; // merged, fine-tuned, ...
+  }
+  const torch::Tensor before = model.blocks()[4]->named_parameters()["fc1.weight"].clone();
+  try {
+    ModelOffloader offloader("blocks", model.modules(), file_tier(path, 3, 0, false, false));
+    FAIL() << "weights that differ from the file were accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("fc1.weight' of block 4 differs"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(torch::equal(model.blocks()[4]->named_parameters()["fc1.weight"], before));
+}
+
+TEST(FileTier, AFileWithoutTheBlocksOrOfAnotherDtypeIsNamed) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer other(TransformerConfig{6, 64, 4, 4, 0}); // hidden 64: other shapes
+  try {
+    ModelOffloader offloader("blocks", other.modules(), file_tier(path, 3, 0, false));
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+  }
+  ReferenceTransformer model(kConfig);
+  Options prefixed = file_tier(path, 3, 0, false);
+  prefixed.weights_prefix = "transformer_blocks.";
+  try {
+    ModelOffloader offloader("blocks", model.modules(), prefixed);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("has no tensor 'transformer_blocks.0."), std::string::npos)
+        << e.what();
+  }
+  Options no_file;
+  no_file.blocks_to_swap = 3;
+  no_file.host_budget_bytes = 0;
+  EXPECT_THROW(ModelOffloader("blocks", model.modules(), no_file), InvalidArgument);
+  Options from_nothing;
+  from_nothing.blocks_to_swap = 3;
+  from_nothing.weights_from_file = true;
+  EXPECT_THROW(ModelOffloader("blocks", model.modules(), from_nothing), InvalidArgument);
+}
+
+TEST(FileTier, ChangingAWeightReadFromTheFileRaisesAndKeepsTheFile) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
+  ModelOffloader offloader("blocks", model.modules(), file_tier(path, 3, 0, false));
+  infer(model, &offloader, 1);
+  int64_t away = 0;
+  while (offloader.is_resident(away)) ++away;
+  {
+    torch::NoGradGuard no_grad;
+    model.blocks()[away]->named_parameters()["proj.weight"].fill_(0); // a checkpoint load
+  }
+  EXPECT_THROW(infer(model, &offloader, 1), Error);
+  // The file is as it was: a new offloader over a fresh model computes the true result.
+  ReferenceTransformer again = ReferenceTransformer::load_frozen_empty(path);
+  ModelOffloader fresh("blocks", again.modules(), file_tier(path, 3, 0, false));
+  expect_bitwise(infer(again, &fresh, 1), infer(plain, nullptr, 1));
+}
+
+TEST(FileTier, AFileTruncatedUnderTheRunIsAnError) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  const std::string copy = scratch.file("copy.safetensors");
+  fs::copy_file(path, copy);
+  ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(copy);
+  ModelOffloader offloader("blocks", model.modules(), file_tier(copy, 3, 0, false));
+  infer(model, &offloader, 1);
+  fs::resize_file(copy, fs::file_size(copy) / 2);
+  try {
+    infer(model, &offloader, 2);
+    FAIL() << "a truncated file went unnoticed";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(copy), std::string::npos) << e.what();
+  }
+}
+
+} // namespace
+} // namespace blockswap
