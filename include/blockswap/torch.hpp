@@ -313,6 +313,8 @@ public:
   torch::autograd::variable_list
   run_block(int64_t block_idx, const torch::autograd::variable_list& inputs, const BlockFn& fn);
   bool is_resident(int64_t block_idx) const;
+  // Whether block i is read from Options::weights_file for each load (the file tier).
+  bool is_in_file(int64_t block_idx) const;
   // Blocks the host until every copy enqueued so far has completed (not the computations).
   // After a backward that raised part-way (fine-tuning), it first finishes the steps that
   // backward took, so weights read afterwards are the stepped ones (the next pass does too).

@@ -514,6 +514,10 @@ bool ModelOffloader::is_resident(int64_t block_idx) const {
   return impl_->engine().is_resident(block_idx);
 }
 
+bool ModelOffloader::is_in_file(int64_t block_idx) const {
+  return impl_->engine().in_file(block_idx);
+}
+
 void ModelOffloader::synchronize() {
   impl_->fine_tuner().close_failed_backward();
   impl_->engine().synchronize();

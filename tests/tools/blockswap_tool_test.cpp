@@ -635,6 +635,37 @@ TEST(Run, WeightsRoundTripThroughSafetensors) {
   }
 }
 
+// The file tier: the swapped blocks beyond --host-budget are read from --weights for each load,
+// the model is built without its frozen weights, and the result is the loaded model's, bitwise.
+TEST(Run, HostBudgetReadsTheBlocksBeyondItFromTheFile) {
+  const fs::path weights = scratch() / "tiers.safetensors";
+  const Result saved =
+      run_tool("run --blocks 4 --hidden 64 --heads 2 --tokens 8 --steps 1 --json --save-weights " +
+               weights.string());
+  ASSERT_EQ(saved.exit_code, 0) << saved.err;
+  for (const std::string mode : {"infer", "train"}) {
+    for (const auto& [budget, in_file] : {std::pair{"0", 4}, {"1GiB", 0}}) {
+      const Result r = run_tool("run --mode " + mode + " --swap 2 --tokens 8 --steps 2 --json " +
+                                "--host-budget " + budget + " --weights " + weights.string());
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      const json out = json::parse(r.out);
+      EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0) << mode << " " << budget;
+      EXPECT_EQ(out["swapped"]["blocks_in_file"], in_file) << mode << " " << budget;
+      EXPECT_EQ(out["swapped"]["disk_read_bytes"].get<uint64_t>() > 0, in_file > 0);
+      EXPECT_EQ(out["swapped"]["disk_read_bytes"],
+                in_file > 0 ? out["swapped"]["h2d_bytes"] : json(0));
+      EXPECT_GT(out["swapped"]["peak_rss_bytes"].get<uint64_t>(), 0u);
+    }
+  }
+  expect_one_line_error(run_tool("run --host-budget 0 --blocks 4 --hidden 64 --heads 2"),
+                        {"--host-budget needs --weights"}, "no file");
+  expect_one_line_error(
+      run_tool("run --mode finetune --host-budget 0 --weights " + weights.string()),
+      {"--host-budget with --mode finetune"}, "fine-tuning");
+  expect_one_line_error(run_tool("run --host-budget 12Q --weights " + weights.string()), {"12Q"},
+                        "size");
+}
+
 // A failure as the tool reports every one: a non-zero exit and one line, "blockswap: error: …",
 // that contains each of `parts`.
 void expect_one_line_error(const Result& r, const std::vector<std::string>& parts,

@@ -88,6 +88,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run_cmd->add_option("--weights", run.weights, "load the model from FILE.safetensors");
   run_cmd->add_option("--save-weights", run.save_weights, "write the model to FILE.safetensors");
+  run_cmd->add_option("--host-budget", run.host_budget,
+                      "with --weights: pinned host memory for the swapped blocks (12GiB, ...; 0: "
+                      "none); the blocks beyond it are read from the file for each load, and the "
+                      "model is loaded without a second copy");
   run_cmd->add_option("--trace", run.trace,
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");

@@ -128,6 +128,15 @@ int run_command(const RunArgs& args) {
   }
   check_shape_agrees_with_weights(args);
   const c10::Device device = checked_device(args.device);
+  if (!args.host_budget.empty()) {
+    BLOCKSWAP_CHECK(!args.weights.empty(), "--host-budget needs --weights FILE.safetensors: the "
+                                           "blocks beyond the budget are read from that file");
+    BLOCKSWAP_CHECK(args.trace.empty() && args.save_weights.empty(),
+                    "--host-budget runs without --trace and --save-weights");
+    at::set_num_threads(args.threads);
+    const int64_t blocks = ReferenceTransformer::config_of(args.weights).blocks;
+    return run_from_file(args, device, blocks_to_swap(args, blocks, mode));
+  }
   if (!args.trace.empty()) check_writable("--trace", args.trace);
   check_host_memory(args, train, device.is_cpu(), work == Work::finetune);
   at::set_num_threads(args.threads);

@@ -155,6 +155,23 @@ std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceT
   return {std::move(phases[0]), std::move(phases[1])};
 }
 
+Phase run_alone(ReferenceTransformer& model, ModelOffloader* offloader, const torch::Tensor& input,
+                Work work, int steps) {
+  Progress progress;
+  Phase phase;
+  StepRunner runner(model, offloader, input, work);
+  std::vector<double> times;
+  for (int step = 0; step <= steps; ++step) {
+    if (step == 1 && offloader) offloader->reset_stats();
+    progress.update("step", step, steps);
+    const double seconds = runner.step(&phase.results);
+    if (step > 0) times.push_back(seconds);
+  }
+  phase.step_seconds = median(times);
+  if (work == Work::finetune) runner.add_weights(phase.results);
+  return phase;
+}
+
 double max_abs_diff(const Phase& a, const Phase& b) {
   BLOCKSWAP_ASSERT(a.results.size() == b.results.size());
   double diff = 0;

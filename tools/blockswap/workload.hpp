@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "blockswap/torch.hpp"
+#include "commands.hpp"
 #include "reference_transformer.hpp"
 
 namespace blockswap::tool {
@@ -70,7 +71,15 @@ std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
                                          ModelOffloader& offloader, const torch::Tensor& input,
                                          Work work, int steps, const GradientReducer& reduce = {});
 
+// One model alone (through `offloader` when it is not null): one warm-up step, then `steps`
+// measured; the offloader's stats count the measured steps only.
+Phase run_alone(models::ReferenceTransformer& model, ModelOffloader* offloader,
+                const torch::Tensor& input, Work work, int steps);
+
 double max_abs_diff(const Phase& a, const Phase& b);
+
+// `blockswap run --host-budget` (run_from_file.cpp): the baseline, then the three tiers.
+int run_from_file(const RunArgs& args, c10::Device device, int64_t blocks_to_swap);
 std::string milliseconds(double seconds);
 
 } // namespace blockswap::tool
