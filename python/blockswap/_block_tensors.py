@@ -50,3 +50,33 @@ def block_tensors(block, label, index):
     for name, b in block.named_buffers():
         _open(name, b, buffers)
     return parameters, buffers
+
+
+def materialize_meta(blocks, label):
+    """Blocks built on the meta device (``torch.device("meta")``, accelerate's
+    ``init_empty_weights``) for an offloader with ``weights_file``: each frozen meta parameter
+    becomes an empty host Parameter (``torch.empty``: memory never touched) in its module, whose
+    values the offloader reads from the file. Returns whether there were any; a mix of meta and
+    loaded frozen weights is an InvalidArgumentError (which values would count?)."""
+    meta, loaded = [], None
+    for i, block in enumerate(blocks):
+        for module_name, module in block.named_modules():
+            for key, p in module._parameters.items():
+                if p is None or p.requires_grad:
+                    continue
+                name = f"{module_name}.{key}" if module_name else key
+                if p.is_meta:
+                    meta.append((module, key, p))
+                elif loaded is None:
+                    loaded = (i, name)
+    if not meta:
+        return False
+    if loaded is not None:
+        raise InvalidArgumentError(
+            f"[{label}] some of the blocks' frozen weights are on the meta device and some hold "
+            f"values (block {loaded[0]}'s '{loaded[1]}'): build every block empty and let "
+            "weights_file fill them, or load them all first")
+    for module, key, p in meta:
+        module._parameters[key] = _torch.nn.Parameter(
+            _torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
+    return True

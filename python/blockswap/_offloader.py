@@ -65,6 +65,17 @@ def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=
                           link, _integer(where, "capacity_bytes", capacity_bytes))
 
 
+def _path(block_type, path):
+    """A weights_file argument as a str ('' for None)."""
+    if path is None:
+        return ""
+    try:
+        return _os.fspath(path)
+    except TypeError:
+        raise InvalidArgumentError(f"[{block_type}] weights_file must be a path (str or "
+                                   f"os.PathLike), got {path!r}") from None
+
+
 def _sentinel(block):
     """(module, name, parameter) of a block's first parameter, or None."""
     for name, p in block.named_parameters():
@@ -111,8 +122,21 @@ class ModelOffloader:
     the same offloaders in the same order (the constructor is collective); call
     ``exclude_from_ddp(model)`` before wrapping the model in ``DistributedDataParallel``.
 
-    With no blocks, or ``blocks_to_swap=0`` and no optimizer, it does nothing, like the seed:
-    it allocates nothing, registers nothing and every verb returns at once.
+    The model's file and the file tier (docs/guide.md, "When the model does not fit in host
+    memory"): ``weights_file`` (the safetensors file holding the blocks' frozen weights, block
+    i's tensor ``name`` as ``<weights_prefix>i.name``, peft's ``.base_layer`` left out),
+    ``weights_prefix`` (``"transformer_blocks."``; empty: found from the file),
+    ``host_budget_bytes`` (pinned host memory for the blocks that move, in block order; the
+    others are read from the file for each load, and their tensors off the device are views of
+    the file; None: every block in host memory), ``staging_buffers`` (the file tier's ring of
+    pinned buffers, each a block's size), ``weights_from_file`` (the frozen weights' values are
+    read from the file whatever the tensors hold; None: when the blocks were built on the meta
+    device, which the offloader then fills from the file without a second copy). Weights read
+    from the file for each load must equal the file's (checked once) and cannot change.
+
+    With no blocks, or ``blocks_to_swap=0`` and neither an optimizer nor a ``weights_file``, it
+    does nothing, like the seed: it allocates nothing, registers nothing and every verb returns
+    at once.
     """
 
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
@@ -120,7 +144,9 @@ class ModelOffloader:
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
-                 step_on="auto", process_group=None, hook_blocks=False):
+                 step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
+                 weights_prefix="", weights_from_file=None, host_budget_bytes=None,
+                 staging_buffers=2):
         # The arguments, to build it again after a cast (Note [casting a managed model]).
         self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                             device, reentrant_activation_checkpointing, debug),
@@ -133,7 +159,11 @@ class ModelOffloader:
                                 gradient_accumulation_steps=gradient_accumulation_steps,
                                 max_grad_norm_per_parameter=max_grad_norm_per_parameter,
                                 step_on=step_on, process_group=process_group,
-                                hook_blocks=hook_blocks))
+                                hook_blocks=hook_blocks, weights_file=weights_file,
+                                weights_prefix=weights_prefix,
+                                weights_from_file=weights_from_file,
+                                host_budget_bytes=host_budget_bytes,
+                                staging_buffers=staging_buffers))
         self._rebuild = False
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
@@ -182,7 +212,9 @@ class ModelOffloader:
             emulated_capacity_bytes=emulated_capacity_bytes,
             gradient_accumulation_steps=gradient_accumulation_steps,
             max_grad_norm_per_parameter=max_grad_norm_per_parameter, step_on=step_on,
-            clip_as_python=True)
+            clip_as_python=True, weights_file=_path(block_type, weights_file),
+            weights_prefix=weights_prefix, weights_from_file=bool(weights_from_file),
+            host_budget_bytes=host_budget_bytes, staging_buffers=staging_buffers)
         if optimizer is not None:
             options.set_optimizer(optimizer._kind, optimizer._hyper())
         self._recorder = options.trace
@@ -191,7 +223,8 @@ class ModelOffloader:
             options.share_node(lambda key, value: None, lambda key: "", 0, 1, "")
         if self.blocks:
             options.check(block_type, len(self.blocks))
-        if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None):
+        if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None
+                               and weights_file is None):
             return  # the seed does nothing either: the trainer's dummy, or no swapping
         if process_group is not None:
             options.share_node(*_distributed.node_sharing(process_group))
@@ -199,6 +232,9 @@ class ModelOffloader:
             if not isinstance(block, _torch.nn.Module):
                 raise ValueError(f"[{block_type}] block {i} is a {type(block).__name__}, not a "
                                  "torch.nn.Module")
+        if weights_file is not None and weights_from_file is None:
+            # Blocks built on the meta device get their frozen weights from the file.
+            options.weights_from_file = _block_tensors.materialize_meta(self.blocks, block_type)
         tensors = [_block_tensors.block_tensors(block, block_type, i)
                    for i, block in enumerate(self.blocks)]
         if optimizer is not None:
@@ -234,7 +270,12 @@ class ModelOffloader:
         options = _C.Options()
         for name, value in fields.items():
             default = getattr(options, name)
-            if name == "shared_device":
+            if name == "host_budget_bytes":
+                value = None if value is None else _integer(where, name, value)
+            elif name in ("weights_file", "weights_prefix"):
+                if not isinstance(value, str):
+                    raise InvalidArgumentError(f"{where}{name} must be a str, got {value!r}")
+            elif name == "shared_device":
                 if value is not None and not isinstance(value, _C.Device):
                     raise InvalidArgumentError(f"{where}shared_device must be a blockswap.Device "
                                                f"(from blockswap.open_device), got {value!r}")
@@ -474,11 +515,19 @@ class ModelOffloader:
             return True
         return self._impl.is_resident(block_idx)
 
+    def is_in_file(self, block_idx):
+        """Whether block ``block_idx`` is read from ``weights_file`` for each load (the file
+        tier, ``host_budget_bytes``)."""
+        if self._impl is None:
+            return False
+        return self._impl.is_in_file(block_idx)
+
     def stats(self):
-        """Bytes moved each way, moves, stall seconds, device bytes now and at most."""
+        """Bytes moved each way, moves, stall seconds, device bytes now and at most, bytes read
+        from the file tier (``disk_bytes``)."""
         if self._impl is None:
             return {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
-                    "device_bytes": 0, "peak_device_bytes": 0}
+                    "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0}
         return self._impl.stats()
 
     def reset_stats(self):

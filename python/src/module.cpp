@@ -32,6 +32,7 @@ py::dict to_dict(const Stats& s) {
   d["stall_seconds"] = s.stall_seconds;
   d["device_bytes"] = s.device_bytes;
   d["peak_device_bytes"] = s.peak_device_bytes;
+  d["disk_bytes"] = s.disk_bytes;
   return d;
 }
 
@@ -181,6 +182,20 @@ PYBIND11_MODULE(_C, m) {
           [](Options& o, const std::string& name) { o.step_on = step_on_from(name); })
       .def_readwrite("max_grad_norm_per_parameter", &Options::max_grad_norm_per_parameter)
       .def_readwrite("clip_as_python", &Options::clip_as_python)
+      .def_readwrite("weights_file", &Options::weights_file)
+      .def_readwrite("weights_prefix", &Options::weights_prefix)
+      .def_readwrite("weights_from_file", &Options::weights_from_file)
+      .def_property(
+          "host_budget_bytes",
+          [](const Options& o) -> py::object {
+            if (!o.host_budget_bytes) return py::none();
+            return py::int_(*o.host_budget_bytes);
+          },
+          [](Options& o, const py::object& bytes) {
+            o.host_budget_bytes =
+                bytes.is_none() ? std::nullopt : std::optional(bytes.cast<std::size_t>());
+          })
+      .def_readwrite("staging_buffers", &Options::staging_buffers)
       .def("set_optimizer",
            [](Options& o, const std::string& kind, const std::map<std::string, double>& hyper) {
              o.optimizer = fused_optimizer(kind, hyper);
@@ -215,6 +230,7 @@ PYBIND11_MODULE(_C, m) {
       .def("enable", [](Offloader& o) { o.get().enable_block_swap(); })
       .def("set_forward_only", [](Offloader& o, bool f) { o.get().set_forward_only(f); })
       .def("is_resident", [](Offloader& o, int64_t i) { return o.get().is_resident(i); })
+      .def("is_in_file", [](Offloader& o, int64_t i) { return o.get().is_in_file(i); })
       .def(
           "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })

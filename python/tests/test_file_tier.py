@@ -1,0 +1,135 @@
+"""The file tier from Python: a diffusers model's frozen block weights read from its safetensors
+file (weights_file=, host_budget_bytes=), both block lists of FLUX, at several K and host
+budgets, loaded or built on the meta device; bitwise the model without blockswap; every failure
+an error that loses nothing."""
+
+import pytest
+import torch
+
+import blockswap
+from real_models import (BLOCK_LISTS, assert_bitwise, build, checkpointing, infer, swap,
+                         train)
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def block_bytes(model, kind):
+    """The packed bytes of the first block of each list (every block of a list is alike): its
+    frozen tensors, each at a 256-byte boundary (blockswap/core/layout.hpp)."""
+    return [sum(-(-p.numel() * p.element_size() // 256) * 256
+                for p in getattr(model, name)[0].parameters() if not p.requires_grad)
+            for name in BLOCK_LISTS[kind]]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Each model's weights as the trainers find them: a safetensors file of its state dict."""
+    out = {}
+    for kind in ("flux", "wan"):
+        path = tmp_path_factory.mktemp("weights") / f"{kind}.safetensors"
+        model = build(kind, lora=False)
+        safetensors_torch.save_file(model.state_dict(), str(path))
+        out[kind] = str(path)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["flux", "wan"])
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("budget_blocks", [0, 2, None])
+def test_inference_from_the_file_is_bitwise(files, kind, k, budget_blocks):
+    expected = [infer(build(kind), kind, seed=s) for s in (1, 2)]
+    model = build(kind)
+    budget = None if budget_blocks is None else budget_blocks * max(block_bytes(model, kind))
+    offloaders = swap(model, kind, k, supports_backward=False, weights_file=files[kind],
+                      host_budget_bytes=budget)
+    assert_bitwise([infer(model, kind, offloaders, seed=s) for s in (1, 2)], expected)
+    read = sum(o.stats()["disk_bytes"] for o in offloaders)
+    in_file = sum(o.is_in_file(i) for o in offloaders for i in range(4))
+    if budget_blocks == 0:
+        assert read > 0 and in_file == 4 * len(offloaders)
+    elif budget_blocks is None:
+        assert read == 0 and in_file == 0
+    else:  # two or more blocks of each list in host memory, the rest from the file
+        assert 0 < in_file <= 2 * len(offloaders)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("budget_blocks", [0, 2])
+@pytest.mark.parametrize("ckpt", [None, "non_reentrant"])
+def test_lora_training_from_the_file_is_bitwise(files, k, budget_blocks, ckpt):
+    plain = build("flux")
+    checkpointing(plain, ckpt)
+    expected = train(plain, "flux")
+    model = build("flux")
+    checkpointing(model, ckpt)
+    budget = budget_blocks * max(block_bytes(model, "flux"))
+    offloaders = swap(model, "flux", k, weights_file=files["flux"], host_budget_bytes=budget)
+    assert_bitwise(train(model, "flux", offloaders), expected)
+    assert sum(o.stats()["disk_bytes"] for o in offloaders) > 0
+
+
+@pytest.mark.parametrize("budget", [0, None])
+def test_a_model_built_on_meta_is_loaded_from_the_file(files, budget):
+    """accelerate's init_empty_weights, diffusers' low_cpu_mem_usage: the blocks' weights come
+    from the file, without a second copy; the rest of the model is the caller's to load."""
+    expected = infer(build("flux", lora=False), "flux")
+    with torch.device("meta"):
+        model = build("flux", lora=False)
+    state = safetensors_torch.load_file(files["flux"])
+    # (cloned: load_file's tensors may sit at unaligned addresses, where CPU kernels round
+    # differently in the last bit)
+    outside = {name: t.clone() for name, t in state.items()
+               if not name.startswith(tuple(f"{n}." for n in BLOCK_LISTS["flux"]))}
+    model.load_state_dict(outside, strict=False, assign=True)
+    offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=files["flux"],
+                      host_budget_bytes=budget)
+    assert_bitwise(infer(model, "flux", offloaders), expected)
+    for name, p in model.named_parameters():  # true values wherever a block is
+        assert not p.is_meta, name
+        assert torch.equal(p.detach(), state[name]), name
+
+
+def test_weights_that_differ_from_the_file_are_refused(files):
+    model = build("flux")
+    with torch.no_grad():
+        model.transformer_blocks[3].ff.net[2].weight[0, 0] += 1  # merged, or fine-tuned
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(blockswap.Error, match="ff.net.2.weight' of block 3 differs"):
+        swap(model, "flux", 2, weights_file=files["flux"], host_budget_bytes=0)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_mistakes_are_named(files, tmp_path):
+    model = build("flux")
+    with pytest.raises(blockswap.InvalidArgumentError, match="host_budget_bytes needs weights_file"):
+        swap(model, "flux", 2, host_budget_bytes=0)
+    with pytest.raises(blockswap.InvalidArgumentError, match="host_budget_bytes"):
+        swap(model, "flux", 2, weights_file=files["flux"], host_budget_bytes=-1)
+    with pytest.raises(blockswap.Error, match="gone.safetensors"):
+        swap(model, "flux", 2, weights_file=tmp_path / "gone.safetensors", host_budget_bytes=0)
+    with pytest.raises(blockswap.Error, match="has no tensor 'blocks.0."):
+        swap(model, "flux", 2, weights_file=files["flux"], weights_prefix="blocks.",
+             host_budget_bytes=0)
+    with pytest.raises(blockswap.Error, match="cast after loading"):
+        swap(build("flux", dtype=torch.bfloat16), "flux", 2, weights_file=files["flux"],
+             host_budget_bytes=0)
+    with torch.device("meta"):
+        half = build("flux", lora=False)
+    half.transformer_blocks[1].to_empty(device="cpu")
+    with pytest.raises(blockswap.InvalidArgumentError, match="some of the blocks' frozen weights"):
+        swap(half, "flux", 2, weights_file=files["flux"], host_budget_bytes=0)
+    # Nothing was left managed: the model still runs plain.
+    assert_bitwise(infer(model, "flux"), infer(build("flux"), "flux"))
+
+
+def test_writing_a_weight_read_from_the_file_raises(files):
+    model = build("flux")
+    offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=files["flux"],
+                      host_budget_bytes=0)
+    infer(model, "flux", offloaders)
+    away = next(i for i in range(4) if not offloaders[0].is_resident(i))
+    with torch.no_grad():
+        model.transformer_blocks[away].ff.net[2].weight.fill_(0)  # a checkpoint loaded into it
+    with pytest.raises(blockswap.Error, match="cannot be kept"):
+        infer(model, "flux", offloaders)
