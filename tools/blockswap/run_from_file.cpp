@@ -53,6 +53,10 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
   const uint64_t host_budget = parse_size(args.host_budget);
   const int64_t lora_rank = work == Work::train ? args.lora_rank : 0;
   const uint64_t file_bytes = std::filesystem::file_size(args.weights);
+  // Large buffers straight from the system and back to it when freed, so that a freed block is
+  // not reused, already resident, by the next tensor built empty (glibc's adaptive threshold
+  // would otherwise move up to 32 MiB allocations into its heap after the first large free).
+  mallopt(M_MMAP_THRESHOLD, 1 << 20);
 
   // The model loaded whole, alone; then freed.
   Phase baseline;
