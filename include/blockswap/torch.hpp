@@ -212,7 +212,8 @@ struct Options {
   // The blocks' names in weights_file ("transformer_blocks."); empty: the one prefix under which
   // every block's frozen tensors are found, with their shapes and dtypes.
   std::string weights_prefix = {};
-  // The file tier: pinned host memory for the blocks that move, in block order while it lasts;
+  // The file tier: this offloader's pinned host memory for the blocks that move (training's
+  // first, then inference's), in block order while it lasts;
   // the others are read from weights_file for each load (the blocks that never move once), and
   // their tensors off the device are views of the file, read on demand. Unset: every block in
   // host memory. Needs weights_file; their trainable parameters (full fine-tuning) must fit.

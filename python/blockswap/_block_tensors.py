@@ -56,8 +56,9 @@ def materialize_meta(blocks, label):
     """Blocks built on the meta device (``torch.device("meta")``, accelerate's
     ``init_empty_weights``) for an offloader with ``weights_file``: each frozen meta parameter
     becomes an empty host Parameter (``torch.empty``: memory never touched) in its module, whose
-    values the offloader reads from the file. Returns whether there were any; a mix of meta and
-    loaded frozen weights is an InvalidArgumentError (which values would count?)."""
+    values the offloader reads from the file. Returns what it replaced, for put_back (empty:
+    nothing was meta); a mix of meta and loaded frozen weights is an InvalidArgumentError (which
+    values would count?)."""
     meta, loaded = [], None
     for i, block in enumerate(blocks):
         for module_name, module in block.named_modules():
@@ -70,7 +71,7 @@ def materialize_meta(blocks, label):
                 elif loaded is None:
                     loaded = (i, name)
     if not meta:
-        return False
+        return []
     if loaded is not None:
         raise InvalidArgumentError(
             f"[{label}] some of the blocks' frozen weights are on the meta device and some hold "
@@ -79,4 +80,11 @@ def materialize_meta(blocks, label):
     for module, key, p in meta:
         module._parameters[key] = _torch.nn.Parameter(
             _torch.empty(p.shape, dtype=p.dtype), requires_grad=False)
-    return True
+    return meta
+
+
+def put_back(replaced):
+    """Undoes materialize_meta (the offloader's constructor failed): the meta Parameters again,
+    never empty tensors that would compute with garbage."""
+    for module, key, p in replaced:
+        module._parameters[key] = p

@@ -126,7 +126,8 @@ class ModelOffloader:
     memory"): ``weights_file`` (the safetensors file holding the blocks' frozen weights, block
     i's tensor ``name`` as ``<weights_prefix>i.name``, peft's ``.base_layer`` left out),
     ``weights_prefix`` (``"transformer_blocks."``; empty: found from the file),
-    ``host_budget_bytes`` (pinned host memory for the blocks that move, in block order; the
+    ``host_budget_bytes`` (this offloader's pinned host memory for the blocks that move, in
+    block order, training's first; the
     others are read from the file for each load, and their tensors off the device are views of
     the file; None: every block in host memory), ``staging_buffers`` (the file tier's ring of
     pinned buffers, each a block's size), ``weights_from_file`` (the frozen weights' values are
@@ -232,17 +233,23 @@ class ModelOffloader:
             if not isinstance(block, _torch.nn.Module):
                 raise ValueError(f"[{block_type}] block {i} is a {type(block).__name__}, not a "
                                  "torch.nn.Module")
+        replaced = []
         if weights_file is not None and weights_from_file is None:
             # Blocks built on the meta device get their frozen weights from the file.
-            options.weights_from_file = _block_tensors.materialize_meta(self.blocks, block_type)
-        tensors = [_block_tensors.block_tensors(block, block_type, i)
-                   for i, block in enumerate(self.blocks)]
-        if optimizer is not None:
-            if optimizer.offloader is not None:
-                raise ValueError(f"[{block_type}] this optimizer already belongs to the "
-                                 f"offloader '{optimizer.offloader.block_type}'")
-            self._check_optimizer_params(optimizer)
-        self._impl = _C.Offloader(block_type, tensors, options)
+            replaced = _block_tensors.materialize_meta(self.blocks, block_type)
+            options.weights_from_file = bool(replaced)
+        try:
+            tensors = [_block_tensors.block_tensors(block, block_type, i)
+                       for i, block in enumerate(self.blocks)]
+            if optimizer is not None:
+                if optimizer.offloader is not None:
+                    raise ValueError(f"[{block_type}] this optimizer already belongs to the "
+                                     f"offloader '{optimizer.offloader.block_type}'")
+                self._check_optimizer_params(optimizer)
+            self._impl = _C.Offloader(block_type, tensors, options)
+        except BaseException:
+            _block_tensors.put_back(replaced)  # all or nothing: the blocks as they were
+            raise
         if optimizer is not None:
             optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
                                      for name, p in block.named_parameters() if p.requires_grad})

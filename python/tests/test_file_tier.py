@@ -123,13 +123,49 @@ def test_mistakes_are_named(files, tmp_path):
     assert_bitwise(infer(model, "flux"), infer(build("flux"), "flux"))
 
 
-def test_writing_a_weight_read_from_the_file_raises(files):
+def test_writing_a_weight_read_from_the_file_raises_and_keeps_the_file(files):
+    plain = build("flux")
     model = build("flux")
     offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=files["flux"],
                       host_budget_bytes=0)
     infer(model, "flux", offloaders)
     away = next(i for i in range(4) if not offloaders[0].is_resident(i))
+    weight = model.transformer_blocks[away].ff.net[2].weight
     with torch.no_grad():
-        model.transformer_blocks[away].ff.net[2].weight.fill_(0)  # a checkpoint loaded into it
+        weight.fill_(0)  # a checkpoint loaded into it
     with pytest.raises(blockswap.Error, match="cannot be kept"):
         infer(model, "flux", offloaders)
+    # The weight is the file's again, and the offloader goes on, exactly.
+    assert torch.equal(weight.detach(), plain.transformer_blocks[away].ff.net[2].weight)
+    assert_bitwise(infer(model, "flux", offloaders), infer(plain, "flux"))
+    for o in offloaders:
+        o.close()  # true values (views of the file: compute on clones, docs/guide.md)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
+def test_a_failed_constructor_leaves_meta_blocks_meta(files):
+    """All or nothing: blocks built on meta are meta again when the constructor fails, never
+    empty tensors that would compute with garbage."""
+    with torch.device("meta"):
+        model = build("flux", lora=False)
+    with pytest.raises(blockswap.OutOfMemoryError):
+        blockswap.ModelOffloader("transformer_blocks", list(model.transformer_blocks), 4, 2, False,
+                                 torch.device("cpu"), False, weights_file=files["flux"],
+                                 host_budget_bytes=0, emulated_capacity_bytes=1000)
+    assert all(p.is_meta for p in model.transformer_blocks.parameters())
+
+
+@pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
+def test_k0_with_the_file_and_checkpointing_is_bitwise(files, ckpt):
+    """K = 0 with weights_file (every block on the device, read from the file once), as the
+    second list of FLUX often is, under diffusers' checkpointing."""
+    plain = build("flux")
+    checkpointing(plain, ckpt)
+    expected = train(plain, "flux", reentrant_inputs=ckpt == "reentrant")
+    model = build("flux")
+    checkpointing(model, ckpt)
+    offloaders = swap(model, "flux", 0, reentrant=ckpt == "reentrant",
+                      weights_file=files["flux"], host_budget_bytes=0)
+    assert_bitwise(train(model, "flux", offloaders, reentrant_inputs=ckpt == "reentrant"),
+                   expected)

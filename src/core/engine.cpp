@@ -47,16 +47,17 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
                          options.rotating_slots, options.algorithm};
 }
 
-// Which blocks the file tier holds (core/planner.hpp, file_tier): the blocks either of the
-// engine's schedules moves take the host budget first.
+// Which blocks the file tier holds (core/planner.hpp, file_tier): the blocks the mode the engine
+// starts in moves take the host budget first (training, when it supports backward), then those
+// the other mode moves.
 std::vector<bool> blocks_in_file(const std::vector<std::size_t>& bytes,
                                  const EngineOptions& options) {
   if (!options.file) return {};
   std::vector<Schedule> schedules;
-  schedules.emplace_back(schedule_options(bytes.size(), options, Mode::forward_only));
   if (options.supports_backward) {
     schedules.emplace_back(schedule_options(bytes.size(), options, Mode::training));
   }
+  schedules.emplace_back(schedule_options(bytes.size(), options, Mode::forward_only));
   std::vector<const Schedule*> pointers;
   for (const Schedule& schedule : schedules) pointers.push_back(&schedule);
   std::size_t left = options.file->host_budget_bytes;

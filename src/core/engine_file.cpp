@@ -99,7 +99,13 @@ void Engine::Impl::read_ahead() {
 }
 
 void Engine::Impl::load_from_file(int64_t block, std::byte* slot) {
-  const FileReader::Staged staged = take_from_file(block);
+  FileReader::Staged staged;
+  try {
+    staged = take_from_file(block);
+  } catch (...) {
+    if (listener_ != nullptr) listener_->on_file_failed();
+    throw;
+  }
   const std::size_t bytes = store_.bytes(block);
   backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
   Event* copied = nullptr;

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 
 #include "blockswap/core/error.hpp"
 
@@ -23,6 +24,8 @@ namespace {
 // copied out of it. Where the file system refuses O_DIRECT (tmpfs, some network file systems),
 // reads are buffered and each window is dropped from the cache after it is read
 // (posix_fadvise(DONTNEED)): the cache holds at most one window of the file at a time.
+// There are two windows: the next one is read while the last one is copied out, so the disk
+// waits for no memcpy.
 constexpr std::size_t kAlign = 4096;
 constexpr std::size_t kWindow = 32u << 20; // the bounce area
 constexpr std::size_t kPart = 8u << 20;    // one read of a window; a window's parts run at once
@@ -34,8 +37,11 @@ uint64_t align_up(uint64_t x) {
   return (x + kAlign - 1) / kAlign * kAlign;
 }
 
-int64_t modified_ns(const struct stat& s) {
-  return static_cast<int64_t>(s.st_mtim.tv_sec) * 1'000'000'000 + s.st_mtim.tv_nsec;
+// When the file's contents or its inode last changed: a rewrite that restores the mtime
+// (touch -r, rsync -t) still changes the ctime. A file replaced by another under its name
+// (unlinked: no links left) keeps its contents for us, though unlinking changed its ctime.
+int64_t ns(const struct timespec& t) {
+  return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
 }
 
 } // namespace
@@ -61,7 +67,8 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
     throw Error(detail::concat("[", label_, "] cannot stat '", path_, "': ", std::strerror(error)));
   }
   size_ = static_cast<uint64_t>(s.st_size);
-  modified_ns_ = modified_ns(s);
+  modified_ns_ = ns(s.st_mtim);
+  changed_ns_ = ns(s.st_ctim);
   try {
     std::size_t largest = 0;
     for (std::size_t b = 0; b < blocks_.size(); ++b) {
@@ -81,7 +88,7 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
                       largest, " bytes)");
     }
     bounce_bytes_ = kWindow;
-    void* bounce = std::aligned_alloc(kAlign, bounce_bytes_);
+    void* bounce = std::aligned_alloc(kAlign, 2 * bounce_bytes_);
     if (bounce == nullptr) throw std::bad_alloc();
     bounce_ = {static_cast<std::byte*>(bounce), &std::free};
   } catch (...) {
@@ -200,11 +207,11 @@ void FileReader::check_unchanged(int64_t block) const {
   struct stat s {};
   BLOCKSWAP_CHECK(::fstat(fd_, &s) == 0, "[", label_, "] cannot stat '", path_, "' to read block ",
                   block, ": ", std::strerror(errno));
-  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && modified_ns(s) == modified_ns_, "[",
-                  label_, "] '", path_, "' changed while blockswap reads blocks from it (", size_,
-                  " bytes when opened, ", s.st_size, " now",
-                  modified_ns(s) != modified_ns_ ? ", modified since" : "", ") before block ",
-                  block,
+  const bool modified =
+      ns(s.st_mtim) != modified_ns_ || (s.st_nlink > 0 && ns(s.st_ctim) != changed_ns_);
+  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && !modified, "[", label_, "] '", path_,
+                  "' changed while blockswap reads blocks from it (", size_, " bytes when opened, ",
+                  s.st_size, " now", modified ? ", modified since" : "", ") before block ", block,
                   " was read: the host copy cannot be trusted; "
                   "restore the file, or load the model into host memory");
 }
@@ -229,7 +236,7 @@ uint64_t FileReader::read_part(int64_t block, std::byte* into, uint64_t offset,
 // A window of the bounce area, its parts read at once (a queue deeper than one read, which
 // O_DIRECT needs for the disk's bandwidth; buffered reads get the kernel's read-ahead).
 // Returns how many bytes from `window` were read, up to the first short part.
-uint64_t FileReader::read_window(int64_t block, uint64_t window, uint64_t want) {
+uint64_t FileReader::read_window(int64_t block, std::byte* bounce, uint64_t window, uint64_t want) {
   const uint64_t part_bytes = direct_ ? kPart : want;
   const uint64_t parts = (want + part_bytes - 1) / part_bytes;
   std::vector<uint64_t> got(parts, 0);
@@ -237,7 +244,7 @@ uint64_t FileReader::read_window(int64_t block, uint64_t window, uint64_t want) 
   auto part = [&](uint64_t p) {
     try {
       const uint64_t begin = p * part_bytes;
-      got[p] = read_part(block, bounce_.get() + begin, window + begin,
+      got[p] = read_part(block, bounce + begin, window + begin,
                          std::min<uint64_t>(part_bytes, want - begin));
     } catch (...) {
       failed[p] = std::current_exception();
@@ -261,26 +268,50 @@ void FileReader::read_block(int64_t block, std::byte* into) {
   std::vector<FileRange> ranges = blocks_[block].ranges;
   std::sort(ranges.begin(), ranges.end(),
             [](const FileRange& a, const FileRange& b) { return a.file_offset < b.file_offset; });
-  uint64_t window = 0, window_bytes = 0; // what the bounce area holds: [window, +window_bytes)
+  // The aligned windows that cover the ranges, in file order.
+  struct Window {
+    uint64_t at = 0, want = 0;
+  };
+  std::vector<Window> windows;
   for (const FileRange& r : ranges) {
-    uint64_t at = r.file_offset;
-    const uint64_t end = r.file_offset + r.bytes;
-    while (at < end) {
-      if (at < window || at >= window + window_bytes) { // Note [reading past the page cache]
-        window = align_down(at);
-        const uint64_t want = std::min<uint64_t>(bounce_bytes_, align_up(end) - window);
-        window_bytes = read_window(block, window, want);
-        if (!direct_) {
-          ::posix_fadvise(fd_, static_cast<off_t>(window), static_cast<off_t>(window_bytes),
-                          POSIX_FADV_DONTNEED);
-        }
-        BLOCKSWAP_CHECK(at < window + window_bytes, "[", label_, "] reading block ", block,
-                        " from '", path_, "': the file ended at byte ", window + window_bytes,
-                        " before byte ", end, " (truncated under the run?)");
+    uint64_t at = align_down(r.file_offset);
+    if (!windows.empty()) at = std::max(at, windows.back().at + windows.back().want);
+    const uint64_t end = align_up(r.file_offset + r.bytes);
+    for (; at < end; at += windows.back().want) {
+      windows.push_back(Window{at, std::min<uint64_t>(bounce_bytes_, end - at)});
+    }
+  }
+  std::byte* bounce[2] = {bounce_.get(), bounce_.get() + bounce_bytes_};
+  auto read = [&](std::size_t w) { // Note [reading past the page cache]
+    const uint64_t got = read_window(block, bounce[w % 2], windows[w].at, windows[w].want);
+    if (!direct_) {
+      ::posix_fadvise(fd_, static_cast<off_t>(windows[w].at), static_cast<off_t>(got),
+                      POSIX_FADV_DONTNEED);
+    }
+    return got;
+  };
+  std::future<uint64_t> next;
+  if (!windows.empty()) next = std::async(std::launch::async, read, 0);
+  std::size_t first_range = 0;
+  for (std::size_t w = 0; w < windows.size(); ++w) {
+    const uint64_t got = next.get(); // rethrows the read's failure
+    if (w + 1 < windows.size()) next = std::async(std::launch::async, read, w + 1);
+    const uint64_t begin = windows[w].at, end = begin + got;
+    for (std::size_t i = first_range; i < ranges.size(); ++i) {
+      const FileRange& r = ranges[i];
+      const uint64_t from = std::max(begin, r.file_offset);
+      const uint64_t to = std::min(begin + windows[w].want, r.file_offset + r.bytes);
+      if (r.file_offset >= begin + windows[w].want) break; // later windows
+      if (from >= to) continue;
+      if (to > end) {
+        if (next.valid()) next.wait(); // the read in flight uses the other window
+        check_unchanged(block);        // truncated under the run: say so
+        BLOCKSWAP_CHECK(false, "[", label_, "] reading block ", block, " from '", path_,
+                        "': the file ended at byte ", end, " before byte ", r.file_offset + r.bytes,
+                        " (truncated under the run?)");
       }
-      const uint64_t n = std::min(end, window + window_bytes) - at;
-      std::memcpy(into + r.to + (at - r.file_offset), bounce_.get() + (at - window), n);
-      at += n;
+      std::memcpy(into + r.to + (from - r.file_offset), bounce[w % 2] + (from - begin), to - from);
+      if (to == r.file_offset + r.bytes && i == first_range) ++first_range;
     }
   }
   check_unchanged(block); // a change during the read

@@ -306,20 +306,22 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
 std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
                             std::span<const Schedule* const> schedules,
                             std::size_t& host_budget_left) {
-  std::vector<bool> moved(block_bytes.size(), false);
-  for (const Schedule* schedule : schedules) {
+  std::vector<bool> from_file(block_bytes.size(), true);
+  auto hold = [&](std::size_t b) {
+    if (!from_file[b] || block_bytes[b] > host_budget_left) return;
+    host_budget_left -= block_bytes[b];
+    from_file[b] = false;
+  };
+  for (const Schedule* schedule : schedules) { // the first schedule's moved blocks first
+    std::vector<bool> moved(block_bytes.size(), false);
     for (const Op& op : schedule->pass()) {
       if (op.kind == Op::Kind::move) moved[static_cast<std::size_t>(op.move.in)] = true;
     }
-  }
-  std::vector<bool> from_file(block_bytes.size(), true);
-  for (bool moving : {true, false}) {
     for (std::size_t b = 0; b < block_bytes.size(); ++b) {
-      if (moved[b] != moving || block_bytes[b] > host_budget_left) continue;
-      host_budget_left -= block_bytes[b];
-      from_file[b] = false;
+      if (moved[b]) hold(b);
     }
   }
+  for (std::size_t b = 0; b < block_bytes.size(); ++b) hold(b);
   return from_file;
 }
 

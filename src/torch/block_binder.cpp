@@ -8,6 +8,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
+#include "file_weights.hpp"
 #include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
@@ -21,7 +22,10 @@ BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, std::string label, c1
 at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
   // The view shares the buffer: the weights outlive the engine. Trainable tensors are where
   // the block's trainable bytes are now.
-  if (t.role == Role::frozen && in_file(block)) return view(file_map_, t.file_offset, t, at::kCPU);
+  if (t.role == Role::frozen && in_file(block)) {
+    if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
+    return view(file_map_, t.file_offset, t, at::kCPU);
+  }
   if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
   const HostRegion& trainable = trainable_hosts_[block];
   return view(trainable.buffer, trainable.offset + (t.offset - layouts_[block].trainable_offset), t,
@@ -52,10 +56,34 @@ void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data,
 // ones, so every view is made with inference mode off.
 
 void BlockBinder::use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
-                           std::function<void(int64_t, std::byte*)> read) {
+                           std::function<void(int64_t, std::byte*)> read, std::string path) {
   file_map_ = std::move(map);
   in_file_ = std::move(in_file);
   read_ = std::move(read);
+  file_path_ = std::move(path);
+}
+
+void BlockBinder::check_file() noexcept {
+  if (!file_map_ || file_gone_ || file_has_size(file_path_, file_map_->size())) return;
+  file_gone_ = true;
+  warn(label_, detail::concat("'", file_path_,
+                              "' changed size under the run: the blocks read from it hold no "
+                              "values off the device now (views of it would crash the process); "
+                              "restore the file and build the model and the offloader again"));
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    if (!in_file(static_cast<int64_t>(b))) continue;
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      const PackedTensor& t = layouts_[b].tensors[i];
+      if (t.role == Role::frozen && !bound_[b][i].on_device) {
+        bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
+      }
+    }
+  }
+}
+
+void BlockBinder::on_file_failed() noexcept {
+  check_file();
 }
 
 void BlockBinder::pack(Engine& engine, HostCopies copies) {
@@ -108,7 +136,7 @@ bool BlockBinder::caller_changed(int64_t block, std::size_t index) const {
   return variable.data_ptr() != bound.data || variable._version() != bound.version;
 }
 
-void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
+void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
   const at::Tensor& now = t.variable;
   BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
                   "] tensor '", t.name, "' of block ", block, " was replaced by one of shape ",
@@ -122,12 +150,25 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) const {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
-  BLOCKSWAP_CHECK(!in_file(block) || t.role != Role::frozen, "[", label_, "] frozen tensor '",
-                  t.name, "' of block ", block,
-                  " was changed, but the block is read from the model's file for each load (the "
-                  "file tier, host_budget_bytes), so the change cannot be kept: change weights "
-                  "before building the offloader and give the file they are saved in, or give "
-                  "the host budget room for this block");
+  if (in_file(block) && t.role == Role::frozen) { // Note [changed tensors]: not here
+    const at::Tensor file = host_view(block, t);
+    if (!file_gone_) revert_to_file(static_cast<std::byte*>(file.data_ptr()), file.nbytes());
+    const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
+    Binding& bound = bound_[block][index];
+    if (!bound.on_device) {
+      bind(block, index, file, false);
+    } else if (now.data_ptr() == bound.data && !file_gone_) { // written in place, in its slot
+      at::NoGradGuard no_grad;
+      now.detach().copy_(file.to(now.device()));
+      bound.version = now._version();
+    }
+    throw Error(detail::concat(
+        "[", label_, "] frozen tensor '", t.name, "' of block ", block,
+        " was changed, but the block is read from the model's file for each load (the file "
+        "tier, host_budget_bytes), so the change cannot be kept: the tensor holds the file's "
+        "values again. Change weights before building the offloader and give the file they are "
+        "saved in, or give the host budget room for this block"));
+  }
   const at::Tensor host = host_view(block, t);
   if (now.data_ptr() != host.data_ptr()) {
     at::NoGradGuard no_grad;
@@ -213,6 +254,7 @@ void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
 
 void BlockBinder::restore_to_host() {
   const c10::InferenceMode normal(false); // Note [inference mode]
+  check_file();
   for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
       PackedTensor& t = layouts_[b].tensors[i];
@@ -224,7 +266,7 @@ void BlockBinder::restore_to_host() {
           save_changes(static_cast<int64_t>(b), t);
         }
       } catch (const std::exception& e) {
-        warn("", detail::concat(e.what(), "; the host copy keeps the earlier values"));
+        warn("", detail::concat(e.what(), "; the weights keep their earlier values"));
       }
       bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
     }

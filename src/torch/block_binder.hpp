@@ -33,8 +33,12 @@ public:
   // (the file, mapped: file_weights.hpp) at their file_offset, and a change of theirs raises, as
   // the next load reads the file. `read`, when set, fills a block's packed host copy from the
   // file instead of from its tensors, which were built empty (Options::weights_from_file).
+  // `path` is the file's: if it shrinks under the run (a read fails, or at restore_to_host),
+  // those views could only crash the process (SIGBUS), so they become tensors with no elements
+  // and a warning says so.
   void use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
-                std::function<void(int64_t block, std::byte* packed)> read);
+                std::function<void(int64_t block, std::byte* packed)> read, std::string path);
+  void on_file_failed() noexcept override;
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
   // (Options::node_sharing) that this process fills, or that another rank of the node filled
   // and pack() only binds to. The caller's writes into node-shared frozen weights raise.
@@ -92,7 +96,7 @@ private:
   };
   bool caller_changed(int64_t block, std::size_t index) const;
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
-  void save_changes(int64_t block, PackedTensor& t) const;
+  void save_changes(int64_t block, PackedTensor& t);
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
 
   std::vector<BlockLayout> layouts_;
@@ -107,6 +111,9 @@ private:
   std::shared_ptr<Buffer> file_map_;
   std::vector<bool> in_file_; // empty: no block
   std::function<void(int64_t, std::byte*)> read_;
+  std::string file_path_;
+  bool file_gone_ = false; // the file shrank: its blocks' views were dropped
+  void check_file() noexcept;
   bool in_file(int64_t block) const {
     return !in_file_.empty() && in_file_[static_cast<std::size_t>(block)];
   }

@@ -74,8 +74,12 @@ std::string mismatch(const std::map<std::string, const TensorInfo*>& tensors,
         return detail::concat("has '", name, "' as ", info.dtype, " ", at::IntArrayRef(info.shape),
                               ", but the block's tensor is ", safetensors_dtype(t.dtype), " ",
                               at::IntArrayRef(t.sizes),
-                              ": the file tier copies the file's bytes as they are, so the model "
-                              "must have the file's dtypes (cast after loading is not possible)");
+                              info.shape != t.sizes
+                                  ? ": another model's file, or another block list's (set "
+                                    "weights_prefix)"
+                                  : ": the file tier copies the file's bytes as they are, so the "
+                                    "model must have the file's dtypes (cast after loading is "
+                                    "not possible)");
       }
     }
   }
@@ -222,6 +226,18 @@ std::shared_ptr<Buffer> map_file(const std::string& path, const std::string& lab
                   "': ", std::strerror(errno));
   return std::make_shared<Buffer>(static_cast<std::byte*>(data), bytes,
                                   [](std::byte* p, std::size_t n) { ::munmap(p, n); });
+}
+
+bool file_has_size(const std::string& path, std::size_t bytes) {
+  struct stat s {};
+  return ::stat(path.c_str(), &s) == 0 && static_cast<std::size_t>(s.st_size) == bytes;
+}
+
+void revert_to_file(std::byte* data, std::size_t bytes) {
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<uintptr_t>(data) / page * page;
+  const auto end = (reinterpret_cast<uintptr_t>(data) + bytes + page - 1) / page * page;
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED); // private pages dropped
 }
 
 } // namespace blockswap::torch_frontend

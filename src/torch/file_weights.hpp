@@ -41,4 +41,12 @@ void check_same_as_file(const FileWeights& file, const BlockLayout& layout, int6
 // changes only this process's pages): the memory that views of blocks in the file point into.
 std::shared_ptr<Buffer> map_file(const std::string& path, const std::string& label);
 
+// Whether the file at `path` still has `bytes` bytes (a mapping of it reads past its end, a
+// SIGBUS, once it is shorter).
+bool file_has_size(const std::string& path, std::size_t bytes);
+
+// Drops this process's changes to `bytes` bytes of a map_file mapping from `data` on (the pages
+// that hold them): they read the file's values again.
+void revert_to_file(std::byte* data, std::size_t bytes);
+
 } // namespace blockswap::torch_frontend

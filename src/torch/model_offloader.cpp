@@ -179,7 +179,7 @@ public:
       };
     }
     binder_.use_file(any ? torch_frontend::map_file(file_->path, label_) : nullptr,
-                     std::move(in_file), std::move(read));
+                     std::move(in_file), std::move(read), file_->path);
   }
 
   // What needs the offloader shared: hooks that find it while it lives.
@@ -206,8 +206,11 @@ public:
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
 
   // What the engine is told of each block's computation.
+  // With K = 0 and no fused step nothing moves and nothing is bracketed: a block computed again
+  // (non-reentrant checkpointing's recompute, which the engine sees only through backward's
+  // brackets) is no different from a block computed once.
   Compute compute() const {
-    return Compute{at::GradMode::is_enabled(), options_.reentrant_activation_checkpointing};
+    return Compute{bracketed(), options_.reentrant_activation_checkpointing};
   }
   // Whether a block computed now may be differentiated later, with its weights moved by then,
   // or stepped in its backward.

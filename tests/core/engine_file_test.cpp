@@ -124,6 +124,39 @@ TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstThenTheOthersAndTheFileTheRest)
   }
 }
 
+// A training engine gives the budget to the blocks a training pass moves before those only
+// inference moves: a block a step loads is never read from the file while one it never loads
+// holds host memory.
+TEST(FileTier, TrainingMovesTakeTheBudgetFirst) {
+  const ModelFile file(8, 1000);
+  for (int64_t k : {1, 2}) {
+    EngineOptions options{.blocks_to_swap = k, .supports_backward = true};
+    options.trainable_bytes.assign(8, 0);
+    std::vector<bool> moved(8, false);
+    int64_t moved_count = 0;
+    {
+      Engine probe(device(), file.bytes, options);
+      for (const Op& op : probe.schedule().pass()) {
+        if (op.kind == Op::Kind::move && !moved[op.move.in]) {
+          moved[op.move.in] = true;
+          ++moved_count;
+        }
+      }
+    }
+    options.file = file.tier(static_cast<std::size_t>(moved_count) * 4000);
+    Engine engine(device(), file.bytes, options);
+    for (int64_t b = 0; b < 8; ++b) {
+      EXPECT_EQ(engine.in_file(b), !moved[b]) << "K " << k << ", block " << b;
+    }
+    file.fill(engine);
+    engine.prepare();
+    engine.reset_stats();
+    forward(engine);
+    backward(engine);
+    EXPECT_EQ(engine.stats().disk_bytes, 0u) << "K " << k;
+  }
+}
+
 TEST(FileTier, InferenceFromTheFileIsExactAtEveryBudget) {
   const ModelFile file(8, 1000);
   for (int64_t k : {1, 3, 6}) {

@@ -10,6 +10,7 @@
 #include <new>
 #include <string>
 
+#include "blockswap/core/error.hpp"
 #include "commands.hpp"
 #include "validators.hpp"
 
@@ -203,6 +204,11 @@ int main(int argc, char** argv) {
   try {
     if (*plan_cmd) return plan_command(plan);
     if (*bench_cmd) return bench_command(bench);
+    if (run_cmd->count("--host-budget") > 0) {
+      BLOCKSWAP_CHECK(!run.host_budget.empty(), "--host-budget needs a size (12GiB, 0, ...)");
+      BLOCKSWAP_CHECK(run.ranks == 0, "--host-budget with --ranks: the tool runs the file tier "
+                                      "in one process; leave one of them out");
+    }
     if (run.ranks > 0) return ranks_command(run, argv);
     return run_command(run); // `blockswap` alone runs the default comparison
   } catch (const std::bad_alloc&) {

@@ -46,9 +46,9 @@ struct FileTier {
   // Every block's packed bytes in the file (its ranges cover what it needs; padding between
   // tensors is left as the staging buffer had it).
   std::vector<FileBlock> blocks;
-  // Host memory for the blocks a pass moves, in block order while it lasts, then for the others
-  // (core/planner.hpp, file_tier); the rest are read from the file, a block that never moves
-  // once, when placed.
+  // Host memory for the blocks a pass moves (training's first when supports_backward, then
+  // inference's), in block order while it lasts, then for the others (core/planner.hpp,
+  // file_tier); the rest are read from the file, a block that never moves once, when placed.
   std::size_t host_budget_bytes = 0;
   int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
   CacheBypass bypass = CacheBypass::direct;
@@ -107,6 +107,9 @@ public:
   // Block `block` is about to be loaded from its host copy (or its trainable bytes, by
   // reload_trainable): return once that copy holds what should go to the device.
   virtual void before_load(int64_t /*block*/) {}
+  // A read from the file tier failed (EngineOptions::file): the file may have changed under the
+  // run. Called before the load's error is thrown; must not throw.
+  virtual void on_file_failed() noexcept {}
 };
 
 // What the caller knows of a block's computation.

@@ -1,7 +1,7 @@
 // FileReader: the file tier's reader (DESIGN.md, "Tiers"). Blocks' frozen bytes stay in the
 // model's file; a reader thread reads each requested block, in the order asked, into the next
 // buffer of a small staging ring (pinned, from the backend), from which the copy stream copies
-// it to the device. Host memory stays bounded: the ring, and one aligned bounce area.
+// it to the device. Host memory stays bounded: the ring, and two aligned bounce windows.
 //
 // Reads bypass the page cache (Note [reading past the page cache] in file_reader.cpp), so that
 // host memory stays what blockswap holds and the bandwidth measured is the disk's.
@@ -94,7 +94,7 @@ private:
 
   void run();
   void read_block(int64_t block, std::byte* into);
-  uint64_t read_window(int64_t block, uint64_t window, uint64_t want);
+  uint64_t read_window(int64_t block, std::byte* bounce, uint64_t window, uint64_t want);
   uint64_t read_part(int64_t block, std::byte* into, uint64_t offset, uint64_t bytes) const;
   void check_unchanged(int64_t block) const;
 
@@ -103,9 +103,10 @@ private:
   int fd_ = -1;
   bool direct_ = false;
   uint64_t size_ = 0;
-  int64_t modified_ns_ = 0; // the file's mtime when opened
+  int64_t modified_ns_ = 0, changed_ns_ = 0; // its mtime and ctime when opened (file_reader.cpp)
+  // Two windows: one is read while the other is copied out (Note [reading past the page cache]).
   std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, nullptr};
-  std::size_t bounce_bytes_ = 0;
+  std::size_t bounce_bytes_ = 0; // each window's
 
   mutable std::mutex mutex_;
   std::condition_variable changed_;
