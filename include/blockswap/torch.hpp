@@ -219,6 +219,9 @@ struct Options {
   // host memory. Needs weights_file; their trainable parameters (full fine-tuning) must fit.
   std::optional<std::size_t> host_budget_bytes = std::nullopt;
   int64_t staging_buffers = 2; // the file tier's ring of pinned buffers, each a slot's size
+  // How the file tier keeps out of the page cache: O_DIRECT (`direct`), or buffered reads each
+  // dropped from the cache after (`drop`), faster on some disks (docs/performance.md).
+  CacheBypass file_reads = CacheBypass::direct;
 
   // Throws blockswap::InvalidArgument, naming the option and `label`, for an option out of
   // range for `blocks` blocks or options that contradict each other. The one place options are

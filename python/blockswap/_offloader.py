@@ -130,7 +130,9 @@ class ModelOffloader:
     block order, training's first; the
     others are read from the file for each load, and their tensors off the device are views of
     the file; None: every block in host memory), ``staging_buffers`` (the file tier's ring of
-    pinned buffers, each a block's size), ``weights_from_file`` (the frozen weights' values are
+    pinned buffers, each a block's size), ``file_reads`` (``"direct"``: O_DIRECT; ``"drop"``:
+    buffered reads each dropped from the page cache after, faster on some disks),
+    ``weights_from_file`` (the frozen weights' values are
     read from the file whatever the tensors hold; None: when the blocks were built on the meta
     device, which the offloader then fills from the file without a second copy). Weights read
     from the file for each load must equal the file's (checked once) and cannot change.
@@ -147,7 +149,7 @@ class ModelOffloader:
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
                  weights_prefix="", weights_from_file=None, host_budget_bytes=None,
-                 staging_buffers=2):
+                 staging_buffers=2, file_reads="direct"):
         # The arguments, to build it again after a cast (Note [casting a managed model]).
         self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                             device, reentrant_activation_checkpointing, debug),
@@ -164,7 +166,7 @@ class ModelOffloader:
                                 weights_prefix=weights_prefix,
                                 weights_from_file=weights_from_file,
                                 host_budget_bytes=host_budget_bytes,
-                                staging_buffers=staging_buffers))
+                                staging_buffers=staging_buffers, file_reads=file_reads))
         self._rebuild = False
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
@@ -215,7 +217,8 @@ class ModelOffloader:
             max_grad_norm_per_parameter=max_grad_norm_per_parameter, step_on=step_on,
             clip_as_python=True, weights_file=_path(block_type, weights_file),
             weights_prefix=weights_prefix, weights_from_file=bool(weights_from_file),
-            host_budget_bytes=host_budget_bytes, staging_buffers=staging_buffers)
+            host_budget_bytes=host_budget_bytes, staging_buffers=staging_buffers,
+            file_reads=file_reads)
         if optimizer is not None:
             options.set_optimizer(optimizer._kind, optimizer._hyper())
         self._recorder = options.trace
@@ -279,7 +282,7 @@ class ModelOffloader:
             default = getattr(options, name)
             if name == "host_budget_bytes":
                 value = None if value is None else _integer(where, name, value)
-            elif name in ("weights_file", "weights_prefix"):
+            elif name in ("weights_file", "weights_prefix", "file_reads"):
                 if not isinstance(value, str):
                     raise InvalidArgumentError(f"{where}{name} must be a str, got {value!r}")
             elif name == "shared_device":

@@ -196,6 +196,14 @@ PYBIND11_MODULE(_C, m) {
                 bytes.is_none() ? std::nullopt : std::optional(bytes.cast<std::size_t>());
           })
       .def_readwrite("staging_buffers", &Options::staging_buffers)
+      .def_property(
+          "file_reads",
+          [](const Options& o) { return o.file_reads == CacheBypass::direct ? "direct" : "drop"; },
+          [](Options& o, const std::string& name) {
+            BLOCKSWAP_CHECK_ARGUMENT(name == "direct" || name == "drop",
+                                     "file_reads must be 'direct' or 'drop', got '", name, "'");
+            o.file_reads = name == "direct" ? CacheBypass::direct : CacheBypass::drop;
+          })
       .def("set_optimizer",
            [](Options& o, const std::string& kind, const std::map<std::string, double>& hyper) {
              o.optimizer = fused_optimizer(kind, hyper);

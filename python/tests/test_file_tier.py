@@ -53,6 +53,18 @@ def test_inference_from_the_file_is_bitwise(files, kind, k, budget_blocks):
         assert 0 < in_file <= 2 * len(offloaders)
 
 
+@pytest.mark.parametrize("file_reads", ["direct", "drop"])
+def test_both_ways_of_reading_are_bitwise(files, file_reads):
+    expected = train(build("flux"), "flux")
+    model = build("flux")
+    offloaders = swap(model, "flux", 2, weights_file=files["flux"], host_budget_bytes=0,
+                      file_reads=file_reads)
+    assert_bitwise(train(model, "flux", offloaders), expected)
+    with pytest.raises(blockswap.InvalidArgumentError, match="file_reads must be"):
+        swap(build("flux"), "flux", 2, weights_file=files["flux"], host_budget_bytes=0,
+             file_reads="cached")
+
+
 @pytest.mark.parametrize("k", [1, 2])
 @pytest.mark.parametrize("budget_blocks", [0, 2])
 @pytest.mark.parametrize("ckpt", [None, "non_reentrant"])

@@ -111,7 +111,7 @@ public:
                                              binder_.layouts_to_locate(), label_);
       if (options_.host_budget_bytes) {
         engine_options.file = FileTier{file_->path, file_->blocks, *options_.host_budget_bytes,
-                                       options_.staging_buffers, CacheBypass::direct};
+                                       options_.staging_buffers, options_.file_reads};
       }
     }
     engine_options.supports_backward = options_.supports_backward;

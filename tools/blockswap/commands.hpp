@@ -32,6 +32,7 @@ struct RunArgs {
   // The file tier: host memory for the swapped blocks' weights; the rest are read from --weights
   // for each load (empty: the model loaded whole, side by side with the baseline).
   std::string host_budget;
+  std::string file_reads = "direct"; // direct | drop (Options::file_reads)
   // Data-parallel LoRA training over this many processes (0: one process, no c10d).
   int ranks = 0;
   double timeout_seconds = 60; // how long a rank waits for the others

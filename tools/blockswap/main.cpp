@@ -93,6 +93,12 @@ int main(int argc, char** argv) {
                       "with --weights: pinned host memory for the swapped blocks (12GiB, ...; 0: "
                       "none); the blocks beyond it are read from the file for each load, and the "
                       "model is loaded without a second copy");
+  run_cmd
+      ->add_option("--file-reads", run.file_reads,
+                   "with --host-budget: direct (O_DIRECT) or drop (buffered reads, each dropped "
+                   "from the page cache after)")
+      ->check(CLI::IsMember({"direct", "drop"}))
+      ->capture_default_str();
   run_cmd->add_option("--trace", run.trace,
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");

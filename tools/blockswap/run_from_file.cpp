@@ -84,6 +84,7 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
   options.weights_file = args.weights;
   options.weights_from_file = true;
   options.host_budget_bytes = host_budget;
+  options.file_reads = args.file_reads == "drop" ? CacheBypass::drop : CacheBypass::direct;
   Phase swapped;
   Stats stats;
   int64_t in_file = 0;
@@ -108,6 +109,7 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
         {"blocks_to_swap", k},
         {"host_budget_bytes", host_budget},
         {"weights_file_bytes", file_bytes},
+        {"file_reads", args.file_reads},
         {"baseline",
          {{"step_seconds", baseline.step_seconds}, {"peak_device_bytes", frozen_bytes}}},
         {"swapped",
