@@ -30,6 +30,7 @@ root = os.path.dirname(os.path.abspath(__file__))
 def sources():
     files = sorted(glob.glob("src/core/*.cpp")) + ["src/device/device.cpp",
                                                    "src/device/host/emulated_device.cpp"]
+    files += ["src/model_io/safetensors.cpp"]  # the file tier reads the model's header
     files += sorted(glob.glob("src/torch/*.cpp")) + ["python/src/module.cpp"]
     return files
 

@@ -501,8 +501,16 @@ class ModelOffloader:
 
     def _build_again(self):
         args, kwargs = self._arguments
+        # The blocks hold their values now (a file's were read at the first build): what the
+        # caller put in them since (load_state_dict(assign=True)) counts, never the file's over it.
+        kwargs = dict(kwargs, weights_from_file=None)
         forward_only = self.forward_only
-        self.__init__(*args, **kwargs)
+        try:
+            self.__init__(*args, **kwargs)
+        except BaseException:
+            self._rebuild = True  # every verb tries again and raises, never a silent no-op
+            self._arguments = (args, kwargs)
+            raise
         if self.forward_only != forward_only:
             self.set_forward_only(forward_only)
 

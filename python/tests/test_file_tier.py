@@ -181,3 +181,39 @@ def test_k0_with_the_file_and_checkpointing_is_bitwise(files, ckpt):
                       weights_file=files["flux"], host_budget_bytes=0)
     assert_bitwise(train(model, "flux", offloaders, reentrant_inputs=ckpt == "reentrant"),
                    expected)
+
+
+def test_a_checkpoint_of_the_same_weights_is_kept_and_other_writes_raise_once(files):
+    """load_state_dict of the file's own values (a resumed checkpoint) changes nothing; writes of
+    other values into many tensors raise once, and then the offloader goes on exactly."""
+    plain = build("flux")
+    model = build("flux")
+    offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=files["flux"],
+                      host_budget_bytes=0)
+    infer(model, "flux", offloaders)
+    model.load_state_dict(build("flux").state_dict())  # the same values, through copy_
+    assert_bitwise(infer(model, "flux", offloaders), infer(plain, "flux"))
+    with torch.no_grad():
+        for p in model.transformer_blocks.parameters():
+            if not p.requires_grad:
+                p.mul_(2)
+    with pytest.raises(blockswap.Error, match="and [0-9]+ more were changed"):
+        infer(model, "flux", offloaders)
+    assert_bitwise(infer(model, "flux", offloaders), infer(plain, "flux"))
+
+
+def test_parameters_replaced_after_a_build_from_meta_are_the_new_ones(files, tmp_path):
+    """musubi-tuner's expert switch (load_state_dict(assign=True)) on blocks first filled from
+    the file: the next prepare takes the new Parameters' values, never the file's over them."""
+    other = build("flux", seed=5, lora=False)
+    expected = infer(other, "flux")
+    with torch.device("meta"):
+        model = build("flux", lora=False)
+    state = safetensors_torch.load_file(files["flux"])
+    blocks = tuple(f"{n}." for n in BLOCK_LISTS["flux"])
+    model.load_state_dict({k: v.clone() for k, v in state.items() if not k.startswith(blocks)},
+                          strict=False, assign=True)
+    offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=files["flux"])
+    infer(model, "flux", offloaders)
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    assert_bitwise(infer(model, "flux", offloaders), expected)

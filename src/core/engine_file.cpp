@@ -33,11 +33,12 @@ void Engine::Impl::start_file_tier() {
                              " packed bytes, but its place in the file fills ",
                              file.blocks[b].bytes);
   }
-  bool any = false;
-  for (int64_t b = 0; b < blocks(); ++b) any = any || store_.in_file(b);
-  if (!any) return; // the host budget holds every block
+  int64_t in_file = 0;
+  for (int64_t b = 0; b < blocks(); ++b) in_file += store_.in_file(b) ? 1 : 0;
+  if (in_file == 0) return; // the host budget holds every block
+  // More buffers than blocks in the file would never be read into.
   std::vector<std::shared_ptr<Buffer>> staging;
-  for (int64_t i = 0; i < file.staging_buffers; ++i) {
+  for (int64_t i = 0; i < std::min(file.staging_buffers, in_file); ++i) {
     staging.push_back(std::make_shared<Buffer>(backend_->allocate_host(slot_bytes_)));
     staging_copied_.emplace_back(staging.back().get(), backend_->make_event());
   }
@@ -89,7 +90,7 @@ FileReader::Staged Engine::Impl::take_from_file(int64_t block) {
 }
 
 void Engine::Impl::read_ahead() {
-  const auto depth = static_cast<std::size_t>(options_.file->staging_buffers);
+  const std::size_t depth = staging_copied_.size();
   while (!file_order_.empty() && file_ahead_.size() < depth) {
     const int64_t b = file_order_[file_cursor_];
     file_cursor_ = (file_cursor_ + 1) % file_order_.size();

@@ -150,11 +150,18 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
-  if (in_file(block) && t.role == Role::frozen) { // Note [changed tensors]: not here
+  if (in_file(block) && t.role == Role::frozen) { // Note [changes to the file tier]
     const at::Tensor file = host_view(block, t);
-    if (!file_gone_) revert_to_file(static_cast<std::byte*>(file.data_ptr()), file.nbytes());
     const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
     Binding& bound = bound_[block][index];
+    // A copy first: a write into the tensor off the device wrote the mapping's own pages.
+    const at::Tensor values = now.detach().to(at::kCPU).contiguous().clone();
+    if (!file_gone_) revert_to_file(static_cast<std::byte*>(file.data_ptr()), file.nbytes());
+    if (!file_gone_ && std::memcmp(values.data_ptr(), file.data_ptr(), file.nbytes()) == 0) {
+      bound.data = now.data_ptr(); // the file's values again (a checkpoint resumed): kept
+      bound.version = now._version();
+      return;
+    }
     if (!bound.on_device) {
       bind(block, index, file, false);
     } else if (now.data_ptr() == bound.data && !file_gone_) { // written in place, in its slot
@@ -162,18 +169,45 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
       now.detach().copy_(file.to(now.device()));
       bound.version = now._version();
     }
-    throw Error(detail::concat(
-        "[", label_, "] frozen tensor '", t.name, "' of block ", block,
-        " was changed, but the block is read from the model's file for each load (the file "
-        "tier, host_budget_bytes), so the change cannot be kept: the tensor holds the file's "
-        "values again. Change weights before building the offloader and give the file they are "
-        "saved in, or give the host budget room for this block"));
+    lost_.push_back(detail::concat("'", t.name, "' of block ", block));
+    return;
   }
   const at::Tensor host = host_view(block, t);
   if (now.data_ptr() != host.data_ptr()) {
     at::NoGradGuard no_grad;
     host.copy_(now.detach());
   }
+}
+
+// Note [changes to the file tier]
+// A block read from the model's file for each load has no host copy to save a caller's change
+// to: its next load reads the file. A change to the file's own values (a checkpoint resumed,
+// load_state_dict of the same weights) is kept as it is. Any other is dropped: the tensor takes
+// the file's values again (its pages of the mapping reverted, or its slot rewritten), and once
+// every tensor of the block has been seen, one Error names them; the offloader goes on.
+void BlockBinder::raise_lost() {
+  if (lost_.empty()) return;
+  // The other blocks in the file too, so that a write to many blocks costs one error.
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    if (!in_file(static_cast<int64_t>(b))) continue;
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      PackedTensor& t = layouts_[b].tensors[i];
+      if (t.role == Role::frozen && caller_changed(static_cast<int64_t>(b), i) &&
+          t.variable.sizes().vec() == t.sizes && t.variable.scalar_type() == t.dtype) {
+        save_changes(static_cast<int64_t>(b), t);
+      }
+    }
+  }
+  std::string names = lost_.front();
+  for (std::size_t i = 1; i < lost_.size() && i < 3; ++i) names += ", " + lost_[i];
+  if (lost_.size() > 3) names += detail::concat(" and ", lost_.size() - 3, " more");
+  lost_.clear();
+  throw Error(detail::concat(
+      "[", label_, "] frozen tensors ", names,
+      " were changed, but their blocks are read from the model's file for each load (the file "
+      "tier, host_budget_bytes), so the changes cannot be kept: they hold the file's values "
+      "again. Change weights before building the offloader and give the file they are saved "
+      "in, or give the host budget room for these blocks"));
 }
 
 void BlockBinder::check_still_frozen() const {
@@ -197,6 +231,7 @@ void BlockBinder::save_caller_changes(int64_t block) {
     bound_[block][i].data = t.variable.data_ptr();
     bound_[block][i].version = t.variable._version();
   }
+  raise_lost();
 }
 
 void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
@@ -214,6 +249,7 @@ void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
     if (changed) on_slot.copy_(host_view(block, t)); // the load may have carried older values
     bind(block, i, on_slot, true);
   }
+  raise_lost();
 }
 
 void BlockBinder::on_evicted(int64_t block) {
@@ -221,6 +257,7 @@ void BlockBinder::on_evicted(int64_t block) {
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     if (caller_changed(block, i)) save_changes(block, layouts_[block].tensors[i]);
   }
+  raise_lost(); // the block stays, its tensors on its slot
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     const PackedTensor& t = layouts_[block].tensors[i];
     bind(block, i,
@@ -270,6 +307,11 @@ void BlockBinder::restore_to_host() {
       }
       bind(static_cast<int64_t>(b), i, host_view(static_cast<int64_t>(b), t), false);
     }
+  }
+  try {
+    raise_lost();
+  } catch (const std::exception& e) {
+    warn("", e.what());
   }
   release_claims(layouts_);
 }

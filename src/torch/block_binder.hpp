@@ -112,7 +112,9 @@ private:
   std::vector<bool> in_file_; // empty: no block
   std::function<void(int64_t, std::byte*)> read_;
   std::string file_path_;
-  bool file_gone_ = false; // the file shrank: its blocks' views were dropped
+  bool file_gone_ = false;        // the file shrank: its blocks' views were dropped
+  std::vector<std::string> lost_; // changes dropped (Note [changes to the file tier])
+  void raise_lost();
   void check_file() noexcept;
   bool in_file(int64_t block) const {
     return !in_file_.empty() && in_file_[static_cast<std::size_t>(block)];
