@@ -37,6 +37,19 @@ std::string saved(const Scratch& scratch) {
   return path;
 }
 
+// Every block in turn, through the offloader when there is one.
+torch::Tensor forward(ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor x) {
+  for (int64_t i = 0; i < int64_t(model.blocks().size()); ++i) {
+    x = offloader ? offloader->run_block(i, {x},
+                                         [&, i](const torch::autograd::variable_list& in) {
+                                           return torch::autograd::variable_list{
+                                               model.blocks()[i]->forward(in[0])};
+                                         })[0]
+                  : model.blocks()[i]->forward(x);
+  }
+  return x;
+}
+
 std::vector<torch::Tensor> infer(ReferenceTransformer& model, ModelOffloader* offloader,
                                  int passes) {
   torch::NoGradGuard no_grad;
@@ -45,14 +58,7 @@ std::vector<torch::Tensor> infer(ReferenceTransformer& model, ModelOffloader* of
   for (int pass = 0; pass < passes; ++pass) {
     torch::Tensor x = input;
     if (offloader) offloader->prepare_block_devices_before_forward();
-    for (int64_t i = 0; i < int64_t(model.blocks().size()); ++i) {
-      x = offloader ? offloader->run_block(i, {x},
-                                           [&, i](const torch::autograd::variable_list& in) {
-                                             return torch::autograd::variable_list{
-                                                 model.blocks()[i]->forward(in[0])};
-                                           })[0]
-                    : model.blocks()[i]->forward(x);
-    }
+    x = forward(model, offloader, x);
     out.push_back(x);
   }
   return out;
@@ -66,14 +72,7 @@ std::vector<torch::Tensor> train(ReferenceTransformer& model, ModelOffloader* of
   for (int step = 0; step < 3; ++step) {
     torch::Tensor x = input;
     if (offloader) offloader->prepare_block_devices_before_forward();
-    for (int64_t i = 0; i < int64_t(model.blocks().size()); ++i) {
-      x = offloader ? offloader->run_block(i, {x},
-                                           [&, i](const torch::autograd::variable_list& in) {
-                                             return torch::autograd::variable_list{
-                                                 model.blocks()[i]->forward(in[0])};
-                                           })[0]
-                    : model.blocks()[i]->forward(x);
-    }
+    x = forward(model, offloader, x);
     const torch::Tensor loss = x.pow(2).mean();
     sgd.zero_grad();
     loss.backward();
