@@ -120,7 +120,9 @@ TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstThenTheOthersAndTheFileTheRest)
   for (int64_t b = 0; b < 8; ++b) in_host += roomy.in_file(b) ? 0 : 1;
   EXPECT_EQ(in_host, 6);
   for (const Op& op : roomy.schedule().pass()) {
-    if (op.kind == Op::Kind::move) EXPECT_FALSE(roomy.in_file(op.move.in)) << op.move.in;
+    if (op.kind == Op::Kind::move) {
+      EXPECT_FALSE(roomy.in_file(op.move.in)) << op.move.in;
+    }
   }
 }
 

@@ -120,8 +120,11 @@ TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
             "blocks", model.modules(),
             file_tier(path, k, budget_blocks * block_bytes(model) + 1, false, empty));
         expect_bitwise(infer(model, &offloader, 3), expected);
-        if (budget_blocks == 0) EXPECT_GT(offloader.stats().disk_bytes, 0u);
-        if (budget_blocks == 6) EXPECT_EQ(offloader.stats().disk_bytes, 0u);
+        if (budget_blocks == 0) {
+          EXPECT_GT(offloader.stats().disk_bytes, 0u);
+        } else if (budget_blocks == 6) {
+          EXPECT_EQ(offloader.stats().disk_bytes, 0u);
+        }
         // Off the device, a block's weights read their true values (views of the file).
         torch::NoGradGuard no_grad;
         for (int64_t b = 0; b < kConfig.blocks; ++b) {
