@@ -118,6 +118,8 @@ def test_mistakes_are_named(files, tmp_path):
         swap(model, "flux", 2, host_budget_bytes=0)
     with pytest.raises(blockswap.InvalidArgumentError, match="host_budget_bytes"):
         swap(model, "flux", 2, weights_file=files["flux"], host_budget_bytes=-1)
+    with pytest.raises(blockswap.InvalidArgumentError, match="are the file tier's"):
+        swap(model, "flux", 2, weights_file=files["flux"], file_reads="drop")
     with pytest.raises(blockswap.Error, match="gone.safetensors"):
         swap(model, "flux", 2, weights_file=tmp_path / "gone.safetensors", host_budget_bytes=0)
     with pytest.raises(blockswap.Error, match="has no tensor 'blocks.0."):

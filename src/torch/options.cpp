@@ -58,6 +58,10 @@ void Options::check(const std::string& label, int64_t blocks) const {
                            "is not set");
   BLOCKSWAP_CHECK_ARGUMENT(weights_prefix.empty() || !weights_file.empty(), at,
                            "weights_prefix names the blocks in weights_file, which is not set");
+  BLOCKSWAP_CHECK_ARGUMENT(
+      host_budget_bytes || (staging_buffers == 2 && file_reads == CacheBypass::direct), at,
+      "staging_buffers and file_reads are the file tier's: set host_budget_bytes (and "
+      "weights_file) too, or leave them at their defaults");
   BLOCKSWAP_CHECK_ARGUMENT(staging_buffers >= 1, at, "staging_buffers=", staging_buffers,
                            " must be >= 1");
   BLOCKSWAP_CHECK_ARGUMENT(weights_file.empty() || !node_sharing, at,

@@ -210,6 +210,8 @@ int main(int argc, char** argv) {
   try {
     if (*plan_cmd) return plan_command(plan);
     if (*bench_cmd) return bench_command(bench);
+    BLOCKSWAP_CHECK(run_cmd->count("--file-reads") == 0 || run_cmd->count("--host-budget") > 0,
+                    "--file-reads applies to --host-budget (the file tier) only");
     if (run_cmd->count("--host-budget") > 0) {
       BLOCKSWAP_CHECK(!run.host_budget.empty(), "--host-budget needs a size (12GiB, 0, ...)");
       BLOCKSWAP_CHECK(run.ranks == 0, "--host-budget with --ranks: the tool runs the file tier "
