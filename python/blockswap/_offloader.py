@@ -50,19 +50,24 @@ def _real(where, name, value):
         raise InvalidArgumentError(f"{where}{name} must be a number, got {value!r}") from None
 
 
-def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=0):
+def open_device(device="cuda", *, budget_bytes=0, link_gbps=0.0, capacity_bytes=0,
+                pinnable_bytes=None):
     """A device that several offloaders share (a model's double and single blocks): one copy
     stream, one memory account, and a budget (bytes) for all their slots together.
-    ``cpu`` is the emulated device; ``link_gbps`` and ``capacity_bytes`` are its link and memory.
-    A mistake in an argument is an InvalidArgumentError naming it.
+    ``cpu`` is the emulated device; ``link_gbps`` and ``capacity_bytes`` are its link and memory,
+    ``pinnable_bytes`` how much host memory it may page-lock (None: no cap), to try what a low
+    ``ulimit -l`` or WSL does: past it, host copies are pageable and their loads are staged
+    (guide: "When pinning fails"). A mistake in an argument is an InvalidArgumentError naming it.
     """
     where = "open_device: "
     link = _real(where, "link_gbps", link_gbps)
     if not (link == 0 or 0.001 <= link < float("inf")):
         raise InvalidArgumentError(f"{where}link_gbps must be 0 (unlimited) or a finite number "
                                    f">= 0.001, got {link_gbps!r}")
+    pinnable = None if pinnable_bytes is None else _integer(where, "pinnable_bytes",
+                                                            pinnable_bytes)
     return _C.open_device(_device_name(device), _integer(where, "budget_bytes", budget_bytes),
-                          link, _integer(where, "capacity_bytes", capacity_bytes))
+                          link, _integer(where, "capacity_bytes", capacity_bytes), pinnable)
 
 
 def _path(block_type, path):
@@ -542,10 +547,12 @@ class ModelOffloader:
 
     def stats(self):
         """Bytes moved each way, moves, stall seconds, device bytes now and at most, bytes read
-        from the file tier (``disk_bytes``)."""
+        from the file tier (``disk_bytes``), bytes staged from host memory the system would not
+        pin (``staged_bytes``: a warning said so)."""
         if self._impl is None:
             return {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
-                    "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0}
+                    "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
+                    "staged_bytes": 0}
         return self._impl.stats()
 
     def reset_stats(self):

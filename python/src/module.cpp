@@ -33,6 +33,7 @@ py::dict to_dict(const Stats& s) {
   d["device_bytes"] = s.device_bytes;
   d["peak_device_bytes"] = s.peak_device_bytes;
   d["disk_bytes"] = s.disk_bytes;
+  d["staged_bytes"] = s.staged_bytes;
   return d;
 }
 
@@ -133,15 +134,16 @@ PYBIND11_MODULE(_C, m) {
   m.def(
       "open_device",
       [](const std::string& device, std::size_t budget_bytes, double link_gbps,
-         std::size_t capacity_bytes) {
+         std::size_t capacity_bytes, std::optional<std::size_t> pinnable_bytes) {
         DeviceOptions options;
         options.budget_bytes = budget_bytes;
         options.emulated_link_gbps = link_gbps;
         options.emulated_capacity_bytes = capacity_bytes;
+        options.emulated_pinnable_bytes = pinnable_bytes;
         return open_device(c10::Device(device), options);
       },
       py::arg("device"), py::arg("budget_bytes") = 0, py::arg("link_gbps") = 0.0,
-      py::arg("capacity_bytes") = 0);
+      py::arg("capacity_bytes") = 0, py::arg("pinnable_bytes") = py::none());
   m.def("node_memory_use", [] {
     const NodeMemoryUse use = NodeMemory::use();
     return std::map<std::string, std::size_t>{{"private_bytes", use.private_bytes},

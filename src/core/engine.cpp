@@ -93,7 +93,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   slot_bytes_ = layout::slot_bytes(block_bytes);
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
-  if (options_.file) start_file_tier();
+  start_staging();
   if (options_.trace) {
     backend_->set_copy_observer([trace = options_.trace](const CopyRecord& copy) {
       trace->add(detail::concat(copy.to_device ? "load block " : "write back block ", copy.tag),
@@ -413,8 +413,8 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   const std::size_t bytes = store_.bytes(block);
   backend_->poison(s.memory->data() + bytes, slot_bytes_ - bytes);
-  if (store_.in_file(block)) {
-    load_from_file(block, s.memory->data()); // may throw: nothing has changed
+  if (staged_[block]) {
+    load_staged(block, s.memory->data()); // may throw: nothing has changed
   } else if (const HostStore::Source source = store_.load_source(block); source.contiguous()) {
     backend_->copy_to_device(s.memory->data(), source.frozen, bytes, block);
   } else {

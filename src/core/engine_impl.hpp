@@ -65,11 +65,12 @@ struct Engine::Impl {
   void evict(int64_t block, bool refilled, bool settle = false);
   void load(int64_t block, int64_t slot);
   void mark_ready(int64_t block);
-  // The file tier (engine_file.cpp).
-  void start_file_tier();
+  // Loads through the staging ring: the file tier, pageable host memory (engine_staging.cpp).
+  static constexpr int64_t kPageableStaging = 2; // the ring, without a file tier's own count
+  void start_staging();
   void plan_reads();                                     // the current schedule's order
   void expect_loads(const std::vector<int64_t>& blocks); // prepare's, in its order
-  void load_from_file(int64_t block, std::byte* slot);
+  void load_staged(int64_t block, std::byte* slot);
   FileReader::Staged take_from_file(int64_t block);
   void read_ahead();
   void forget_unready_loads();
@@ -110,7 +111,8 @@ struct Engine::Impl {
   // The file tier: each staging buffer's event (recorded after the copy out of it), then the
   // reader, which waits on them from its thread (so it goes first).
   std::vector<std::pair<const Buffer*, std::unique_ptr<Event>>> staging_copied_;
-  std::vector<int64_t> file_order_; // the file blocks a pass of the current schedule loads
+  std::vector<bool> staged_;        // per block: loaded through the staging ring
+  std::vector<int64_t> file_order_; // the staged blocks a pass of the current schedule loads
   std::size_t file_cursor_ = 0;     // the next of them to request
   std::deque<int64_t> file_ahead_;  // requested from the reader, not yet taken
   std::unique_ptr<FileReader> reader_;

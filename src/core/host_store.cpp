@@ -49,6 +49,15 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
   }
 }
 
+void HostStore::reallocate(int64_t block, const std::function<void()>& meanwhile) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(!caller_memory_ && !b.in_file && !b.spare, "block ", block,
+                   " cannot be reallocated");
+  b.host.reset();
+  meanwhile();
+  b.host = std::make_shared<Buffer>(backend_->allocate_host(b.bytes));
+}
+
 HostRegion HostStore::trainable(int64_t block) const {
   const Block& b = blocks_[block];
   return region(b, b.current);

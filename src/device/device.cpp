@@ -183,10 +183,17 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
     emulated.link_gbps = options.emulated_link_gbps;
     if (options.emulated_capacity_bytes > 0)
       emulated.capacity_bytes = options.emulated_capacity_bytes;
+    if (options.emulated_pinnable_bytes) emulated.pinnable_bytes = *options.emulated_pinnable_bytes;
     return std::make_shared<Device>(std::make_shared<EmulatedDevice>(emulated),
                                     options.budget_bytes);
   }
   if (name == "cuda" || name.starts_with("cuda:")) {
+    BLOCKSWAP_CHECK_ARGUMENT(options.emulated_link_gbps == 0 &&
+                                 options.emulated_capacity_bytes == 0 &&
+                                 !options.emulated_pinnable_bytes,
+                             "device '", name,
+                             "': the link, capacity and pinnable bytes are the emulated "
+                             "device's; a GPU has its own");
 #if BLOCKSWAP_HAS_CUDA
     CudaDeviceOptions cuda;
     if (name.size() > 5) {

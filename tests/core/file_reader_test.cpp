@@ -163,8 +163,34 @@ TEST(FileReader, RangesOutsideTheFileOrTheBlockAreRefusedAtOnce) {
       },
       {"a staging buffer of 50 bytes cannot hold the largest block (100 bytes)"});
   expect_error(
-      [&] { FileReader((file.path.parent_path() / "missing").string(), {}, ring(1, 1), "blocks"); },
+      [&] {
+        FileReader((file.path.parent_path() / "missing").string(),
+                   {FileBlock{{FileRange{0, 100, 0}}, 100}}, ring(1, 100), "blocks");
+      },
       {"cannot open", "missing", "No such file"});
+}
+
+// Blocks in pageable host memory (no file at all): copied whole, in parts on several threads
+// when large, beside blocks with nothing to read.
+TEST(FileReader, BlocksFromMemoryAreCopiedWhole) {
+  std::vector<std::byte> memory((std::size_t{40} << 20) + 12345);
+  for (std::size_t i = 0; i < memory.size(); ++i) memory[i] = std::byte(i * 131 % 251);
+  const std::vector<FileBlock> blocks = {FileBlock{{}, memory.size(), memory.data()},
+                                         FileBlock{{}, 777, memory.data() + 4096}, FileBlock{}};
+  FileReader reader("", blocks, ring(2, memory.size()), "blocks");
+  for (int64_t b : {0, 1, 0, 2}) reader.request(b);
+  for (int64_t b : {0, 1, 0, 2}) {
+    const FileReader::Staged staged = reader.next();
+    ASSERT_EQ(staged.block, b);
+    EXPECT_EQ(std::memcmp(staged.buffer->data(), blocks[b].memory, blocks[b].bytes), 0) << b;
+    reader.release(staged);
+  }
+  EXPECT_EQ(reader.bytes_read(), 2 * memory.size() + 777);
+  expect_error(
+      [&] {
+        FileReader("", {FileBlock{{FileRange{0, 1, 0}}, 1, memory.data()}}, ring(1, 1), "blocks");
+      },
+      {"from memory or from the file, not both"});
 }
 
 TEST(FileReader, DestroyedWithReadsPendingItStops) {

@@ -44,6 +44,14 @@ TEST(Device, EmulatedOptionsReachTheBackend) {
   EXPECT_EQ(device->memory().device_bytes, 0u); // a failed allocation holds nothing
 }
 
+TEST(Device, ThePinningCapIsTheEmulatedDevicesAlone) {
+  auto device = Device::open("emulated", {.emulated_pinnable_bytes = 0});
+  EXPECT_TRUE(device->attach("blocks")->allocate_host(64).pageable());
+  EXPECT_FALSE(Device::open("emulated")->attach("blocks")->allocate_host(64).pageable());
+  EXPECT_THROW(Device::open("cuda", {.emulated_pinnable_bytes = 0}), InvalidArgument);
+  EXPECT_THROW(Device::open("cuda", {.emulated_link_gbps = 1}), InvalidArgument);
+}
+
 // The budget is for every attached engine together; each one's memory() is its own.
 TEST(Device, TheBudgetBindsEveryAttachedBackendTogether) {
   auto device = Device::open("emulated", {.budget_bytes = 3000});

@@ -69,6 +69,34 @@ TEST(EmulatedDevice, LinkBandwidthIsEnforced) {
   EXPECT_GE(device.copy_seconds(), bytes / 1e9);
 }
 
+// Past pinnable_bytes, host memory is pageable, and a copy from or to it returns only once it
+// is done, as cudaMemcpyAsync does with pageable memory.
+TEST(EmulatedDevice, PageableCopiesMakeTheHostWait) {
+  EmulatedDevice device({.link_gbps = 1.0, .pinnable_bytes = 20u << 20});
+  const std::size_t bytes = 20u << 20; // 20.9 ms at 1 GB/s
+  Buffer pinned = device.allocate_host(bytes);
+  Buffer pageable = device.allocate_host(bytes);
+  EXPECT_FALSE(pinned.pageable());
+  EXPECT_TRUE(pageable.pageable());
+  Buffer dev = device.allocate_device(bytes);
+  auto seconds = [&](const Buffer& host) {
+    const auto start = std::chrono::steady_clock::now();
+    device.copy_to_device(dev.data(), host.data(), bytes, 0);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    auto done = device.make_event();
+    device.record(*done, Stream::copy);
+    device.synchronize(*done);
+    return s;
+  };
+  seconds(pinned);
+  EXPECT_EQ(device.pageable_copies(), 0u);
+  EXPECT_GE(seconds(pageable), bytes / 1e9); // the throttled copy, all of it
+  EXPECT_EQ(device.pageable_copies(), 1u);
+  pinned.reset(); // its pinned memory can be had again
+  EXPECT_FALSE(device.allocate_host(bytes).pageable());
+}
+
 TEST(EmulatedDevice, CopyStreamWaitsForItsEvent) {
   // A copy enqueued behind a wait on a copy-stream event runs after that event's copies.
   EmulatedDevice device({.link_gbps = 2.0});

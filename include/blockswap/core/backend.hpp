@@ -23,10 +23,14 @@ namespace blockswap {
 class Buffer {
 public:
   using Free = std::function<void(std::byte* data, std::size_t bytes)>;
+  // Host memory the system refused to page-lock (Backend::allocate_host's fallback): a copy
+  // from or to it makes the host wait for the copy stream (Note [pageable host memory] in
+  // engine_staging.cpp).
+  enum class Pinning { pinned_or_device, pageable };
 
   Buffer() = default;
-  Buffer(std::byte* data, std::size_t bytes, Free free)
-      : data_(data), bytes_(bytes), free_(std::move(free)) {}
+  Buffer(std::byte* data, std::size_t bytes, Free free, Pinning pinning = Pinning::pinned_or_device)
+      : data_(data), bytes_(bytes), free_(std::move(free)), pinning_(pinning) {}
   ~Buffer() { reset(); }
 
   // move-only
@@ -34,19 +38,21 @@ public:
   Buffer& operator=(const Buffer&) = delete;
   Buffer(Buffer&& other) noexcept
       : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)),
-        free_(std::move(other.free_)) {}
+        free_(std::move(other.free_)), pinning_(other.pinning_) {}
   Buffer& operator=(Buffer&& other) noexcept {
     if (this != &other) {
       reset();
       data_ = std::exchange(other.data_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
       free_ = std::move(other.free_);
+      pinning_ = other.pinning_;
     }
     return *this;
   }
 
   std::byte* data() const { return data_; }
   std::size_t size() const { return bytes_; }
+  bool pageable() const { return pinning_ == Pinning::pageable; }
   explicit operator bool() const { return data_ != nullptr; }
 
   void reset() {
@@ -59,6 +65,7 @@ private:
   std::byte* data_ = nullptr;
   std::size_t bytes_ = 0;
   Free free_;
+  Pinning pinning_ = Pinning::pinned_or_device;
 };
 
 enum class Stream { compute, copy };
@@ -92,7 +99,8 @@ public:
 
   // A short name for messages: "emulated", "cuda:0".
   virtual std::string name() const = 0;
-  // Host memory for a block's weights, page-locked when possible. Synchronous.
+  // Host memory for a block's weights, page-locked when possible; where the system refuses,
+  // pageable memory, marked so (Buffer::pageable) and warned about once. Synchronous.
   virtual Buffer allocate_host(std::size_t bytes) = 0;
   // Page-locks `bytes` of host memory allocated elsewhere (EngineOptions::host_memory: the
   // node-shared weights, which the device only reads) while the returned Buffer lives; that

@@ -38,9 +38,9 @@
 
 namespace blockswap {
 
-// The file tier (DESIGN.md, "Tiers"; Note [the file tier] in engine_file.cpp): blocks whose bytes
-// are read from the model's file for each load, through a ring of pinned staging buffers, instead
-// of being held in host memory.
+// The file tier (DESIGN.md, "Tiers"; Note [the file tier] in engine_staging.cpp): blocks whose
+// bytes are read from the model's file for each load, through a ring of pinned staging buffers,
+// instead of being held in host memory.
 struct FileTier {
   std::string path;
   // Every block's packed bytes in the file (its ranges cover what it needs; padding between
@@ -83,6 +83,9 @@ struct Stats {
   uint64_t d2h_bytes = 0;
   uint64_t moves = 0;      // blocks loaded into a slot by a move (prepare not counted)
   uint64_t disk_bytes = 0; // bytes of the loads read from the file tier
+  // Bytes of the loads staged from pageable host memory (Note [pageable host memory] in
+  // engine_staging.cpp).
+  uint64_t staged_bytes = 0;
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.
   double stall_seconds = 0;

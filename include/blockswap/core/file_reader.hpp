@@ -1,7 +1,9 @@
-// FileReader: the file tier's reader (DESIGN.md, "Tiers"). Blocks' frozen bytes stay in the
-// model's file; a reader thread reads each requested block, in the order asked, into the next
-// buffer of a small staging ring (pinned, from the backend), from which the copy stream copies
-// it to the device. Host memory stays bounded: the ring, and two aligned bounce windows.
+// FileReader: the staging ring's reader (DESIGN.md, "Tiers"). Blocks' frozen bytes stay in the
+// model's file (the file tier), or in host memory the system would not pin (Note [pageable host
+// memory] in engine_staging.cpp); a reader thread reads each requested block, in the order asked,
+// into the next buffer of a small staging ring (pinned, from the backend), from which the copy
+// stream copies it to the device. Host memory stays bounded: the ring, and two aligned bounce
+// windows.
 //
 // Reads bypass the page cache (Note [reading past the page cache] in file_reader.cpp), so that
 // host memory stays what blockswap holds and the bandwidth measured is the disk's.
@@ -34,9 +36,12 @@ struct FileRange {
 };
 
 // One block's frozen bytes in the file: where each range goes, and the packed size they fill.
+// With `memory` set instead, the block's `bytes` are copied from there (pageable host memory,
+// which must stay valid and unchanged while the reader lives).
 struct FileBlock {
   std::vector<FileRange> ranges;
   std::size_t bytes = 0;
+  const std::byte* memory = nullptr;
 };
 
 // How reads keep out of the page cache.
@@ -47,9 +52,10 @@ enum class CacheBypass {
 
 class FileReader {
 public:
-  // Opens `path` and checks that every range of every block lies inside the file and inside its
-  // block's bytes, and that each staging buffer holds the largest block: Error naming `label`,
-  // the block and the file otherwise. Starts the reader thread.
+  // Opens `path` (none when no block has ranges: `path` may be empty) and checks that every
+  // range of every block lies inside the file and inside its block's bytes, and that each
+  // staging buffer holds the largest block: Error naming `label`, the block and the file
+  // otherwise. Starts the reader thread.
   FileReader(std::string path, std::vector<FileBlock> blocks,
              const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
              CacheBypass bypass = CacheBypass::direct);
@@ -80,7 +86,7 @@ public:
 
   // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
   bool direct() const { return direct_; }
-  uint64_t bytes_read() const;
+  uint64_t bytes_read() const; // from the file and from memory
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   const std::string& path() const { return path_; }
 
@@ -94,6 +100,7 @@ private:
 
   void run();
   void read_block(int64_t block, std::byte* into);
+  void copy_block(int64_t block, std::byte* into) const;
   uint64_t read_window(int64_t block, std::byte* bounce, uint64_t window, uint64_t want);
   uint64_t read_part(int64_t block, std::byte* into, uint64_t offset, uint64_t bytes) const;
   void check_unchanged(int64_t block) const;

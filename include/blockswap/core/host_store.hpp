@@ -15,6 +15,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -53,6 +54,11 @@ public:
   bool caller_memory() const { return caller_memory_; }
   // Whether block i's bytes are in the file, not in host memory (buffer(i) is null).
   bool in_file(int64_t block) const { return blocks_[block].in_file; }
+
+  // Frees block i's host buffer, runs `meanwhile`, then allocates it again from the backend:
+  // before the block is filled, to give its page-locked memory to something that needs it more
+  // (Note [pageable host memory] in engine_staging.cpp). Not for caller memory or the file.
+  void reallocate(int64_t block, const std::function<void()>& meanwhile);
 
   // Block i's host buffer: its packed bytes as first filled. Its frozen bytes stay the
   // authoritative ones; its trainable bytes are authoritative until the first write-back.

@@ -15,6 +15,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +34,9 @@ struct DeviceOptions {
   // (0 = no limit).
   double emulated_link_gbps = 0;
   std::size_t emulated_capacity_bytes = 0;
+  // The emulated device: how much host memory it may page-lock (EmulatedDeviceOptions::
+  // pinnable_bytes: a low `ulimit -l`, WSL); empty = no cap.
+  std::optional<std::size_t> emulated_pinnable_bytes = std::nullopt;
   // CUDA: the stream blocks are computed on, asked at every use (the LibTorch front end passes
   // torch's current stream); empty = the legacy default stream.
   std::function<CUstream_st*()> compute_stream = nullptr;

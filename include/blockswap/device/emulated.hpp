@@ -20,6 +20,10 @@ namespace blockswap {
 struct EmulatedDeviceOptions {
   std::size_t capacity_bytes = std::numeric_limits<std::size_t>::max();
   double link_gbps = 0; // copy bandwidth in GB/s (1e9 bytes/s); 0 = as fast as memcpy
+  // How much host memory allocate_host may page-lock, as `ulimit -l` or WSL caps it: past it,
+  // host buffers are pageable (Buffer::pageable), and a copy from or to one makes the host wait
+  // until it is done, as cudaMemcpyAsync does with pageable memory.
+  std::size_t pinnable_bytes = std::numeric_limits<std::size_t>::max();
 };
 
 class EmulatedDevice final : public Backend {
@@ -57,8 +61,12 @@ public:
   void throw_in_copy_thread(std::size_t nth = 0);
   // Seconds the copy thread has spent copying, throttle included.
   double copy_seconds() const;
+  // Copies from or to pageable host memory so far (EmulatedDeviceOptions::pinnable_bytes).
+  std::size_t pageable_copies() const;
 
 private:
+  void wait_if_pageable(const std::byte* host);
+
   struct State;
   std::shared_ptr<State> state_;
 };

@@ -29,12 +29,13 @@ template <typename E> auto& cuda_event(E& event) {
   return *e;
 }
 
-void warn_pageable_once(std::size_t bytes, cudaError_t error) {
+// `then`: what blockswap does about it.
+void warn_pageable_once(std::size_t bytes, cudaError_t error, const char* then) {
   static std::once_flag once;
   std::call_once(once, [&] {
     warn("", detail::concat("WARNING: cannot pin ", bytes, " bytes of host memory (",
                             cudaGetErrorString(error),
-                            "); using pageable memory: copies will run at about half speed"));
+                            "; ulimit -l, WSL and Windows cap pinning): ", then));
   });
 }
 
@@ -153,7 +154,9 @@ Buffer CudaDevice::pin_host(std::byte* data, std::size_t bytes) {
       cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
   if (error != cudaSuccess) {
     cudaGetLastError();
-    warn_pageable_once(bytes, error);
+    warn_pageable_once(bytes, error,
+                       "the node-shared weights stay pageable; each copy from them makes the "
+                       "host wait for the copy stream");
     return {};
   }
   return Buffer(data, bytes,
@@ -181,13 +184,16 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
     });
   }
   cudaGetLastError();
-  warn_pageable_once(bytes, error);
+  warn_pageable_once(bytes, error,
+                     "using pageable memory; the engine stages loads from it through a few "
+                     "pinned buffers");
   {
     std::lock_guard lock(state_->mutex);
     state_->pinned = false;
   }
-  return Buffer(static_cast<std::byte*>(data), bytes,
-                [](std::byte* p, std::size_t) { std::free(p); });
+  return Buffer(
+      static_cast<std::byte*>(data), bytes, [](std::byte* p, std::size_t) { std::free(p); },
+      Buffer::Pinning::pageable);
 }
 
 Buffer CudaDevice::allocate_device(std::size_t bytes) {

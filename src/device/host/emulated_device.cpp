@@ -7,11 +7,13 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <map>
 #include <mutex>
 #include <thread>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/log.hpp"
 #include "device_account.hpp"
 
 namespace blockswap {
@@ -65,6 +67,16 @@ struct EmulatedDevice::State {
   std::size_t copies_until_throw = std::numeric_limits<std::size_t>::max();
   double copy_seconds = 0;
   CopyObserver observer;
+  std::size_t pinned_bytes = 0;                     // host memory page-locked (emulated)
+  std::map<const std::byte*, std::size_t> pageable; // pageable host buffers: start, size
+  std::size_t pageable_copies = 0;
+
+  bool is_pageable(const std::byte* host) const { // under `mutex`
+    auto it = pageable.upper_bound(host);
+    if (it == pageable.begin()) return false;
+    --it;
+    return host < it->first + it->second;
+  }
 
   host::DeviceAccount account; // capacity set by the constructor
 
@@ -197,7 +209,35 @@ Buffer EmulatedDevice::allocate_host(std::size_t bytes) {
   auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
   if (data == nullptr)
     throw Error(detail::concat("cannot allocate ", bytes, " bytes of host memory"));
-  return Buffer(data, bytes, [](std::byte* p, std::size_t) { std::free(p); });
+  std::unique_lock lock(state_->mutex);
+  if (state_->options.pinnable_bytes - state_->pinned_bytes >= size) {
+    state_->pinned_bytes += size;
+    return Buffer(data, bytes, [state = state_, size](std::byte* p, std::size_t) {
+      std::free(p);
+      std::lock_guard held(state->mutex);
+      state->pinned_bytes -= size;
+    });
+  }
+  state_->pageable.emplace(data, size);
+  lock.unlock();
+  static std::once_flag once; // as the CUDA backend says it
+  std::call_once(once, [&] {
+    warn("", detail::concat("WARNING: cannot pin ", bytes,
+                            " bytes of host memory (emulated device: pinnable_bytes ",
+                            state_->options.pinnable_bytes,
+                            "); using pageable memory; the engine stages loads from it through "
+                            "a few pinned buffers"));
+  });
+  return Buffer(
+      data, bytes,
+      [state = state_](std::byte* p, std::size_t) {
+        {
+          std::lock_guard held(state->mutex);
+          state->pageable.erase(p);
+        }
+        std::free(p);
+      },
+      Buffer::Pinning::pageable);
 }
 
 Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
@@ -225,11 +265,28 @@ Buffer EmulatedDevice::allocate_device(std::size_t bytes) {
 void EmulatedDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
                                     int64_t tag) {
   state_->enqueue(Task{Task::Kind::copy, device, host, bytes, nullptr, false, true, tag});
+  wait_if_pageable(host);
 }
 
 void EmulatedDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                                   int64_t tag) {
   state_->enqueue(Task{Task::Kind::copy, host, device, bytes, nullptr, false, false, tag});
+  wait_if_pageable(host);
+}
+
+// cudaMemcpyAsync with pageable host memory returns once the copy stream has reached the copy
+// and the copy is done (staged, to the device): the host waits.
+void EmulatedDevice::wait_if_pageable(const std::byte* host) {
+  {
+    std::lock_guard lock(state_->mutex);
+    if (!state_->is_pageable(host)) return;
+    ++state_->pageable_copies;
+  }
+  auto mark = std::make_shared<Mark>();
+  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, mark, false});
+  std::unique_lock lock(state_->mutex);
+  state_->changed.wait(lock, [&] { return mark->done; });
+  if (mark->error) std::rethrow_exception(mark->error);
 }
 
 void EmulatedDevice::set_copy_observer(CopyObserver observer) {
@@ -287,6 +344,11 @@ void EmulatedDevice::fail_copy(std::size_t nth, std::size_t bytes_first) {
   std::lock_guard lock(state_->mutex);
   state_->copies_until_failure = nth;
   state_->failure_copies_bytes = bytes_first;
+}
+
+std::size_t EmulatedDevice::pageable_copies() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->pageable_copies;
 }
 
 double EmulatedDevice::copy_seconds() const {

@@ -1,0 +1,196 @@
+// The engine's staged loads: blocks whose bytes reach the device through a ring of pinned
+// staging buffers, read from the model's file (the file tier, DESIGN.md "Tiers") or copied from
+// host memory the system would not pin.
+#include "engine_impl.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
+
+namespace blockswap {
+
+// Note [the file tier]
+// A block in the file has no host copy. A reader thread (core/file_reader.hpp) reads its bytes
+// into one of a ring of pinned staging buffers, and its load copies them from there to its slot
+// on the copy stream; the buffer is read into again only after that copy (an event the reader
+// waits for from its thread), so a copy in flight delays only the read that needs its buffer.
+//
+// Reads run ahead in the order the loads will come: the current schedule's pass (its moves, in
+// order, cycling into the next pass), or prepare's placements. A load that is not the one read
+// ahead (a call pattern the schedule did not foresee: a recompute, a skipped block, a mode
+// switch) cancels the reads ahead and reads its own block first, then the prediction goes on from
+// that block's place in the pass: slower once, never different bytes. Every load of a block in
+// the file reads the file again; what the block had on the device is never kept, as it is frozen.
+//
+// Note [pageable host memory]
+// Where the system will not page-lock the host copy (a low `ulimit -l`, WSL, Windows, a refused
+// cudaHostRegister), Backend::allocate_host returns pageable memory. A copy from pageable memory
+// cannot overlap: cudaMemcpyAsync makes the host wait for the copy stream, which itself waits for
+// the computation that frees the slot, so every load would serialise the step. Such a block is
+// staged instead, as a block in the file is: the reader thread copies its frozen bytes into a
+// pinned staging buffer ahead of its load (in parts, on several threads), and the load copies
+// the staging buffer on the copy stream, overlapped as a pinned block's is. Its trainable bytes,
+// which change between loads, are copied into the staging buffer by the load itself, after its
+// last write-back is done (a write-back into pageable memory is synchronous: the host waits for
+// it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen bytes never
+// change, so a copy made ahead is the copy made at the load.
+void Engine::Impl::start_staging() {
+  if (options_.file) {
+    const FileTier& file = *options_.file;
+    BLOCKSWAP_CHECK_ARGUMENT(file.blocks.size() == blocks_.size(), "[", label_,
+                             "] the file tier has ", file.blocks.size(), " blocks for ",
+                             blocks_.size(), ": give every block's place in the file");
+    BLOCKSWAP_CHECK_ARGUMENT(file.staging_buffers >= 1, "[", label_,
+                             "] the file tier needs at least one staging buffer, not ",
+                             file.staging_buffers);
+    for (int64_t b = 0; b < blocks(); ++b) {
+      BLOCKSWAP_CHECK_ARGUMENT(!store_.in_file(b) || file.blocks[b].bytes == store_.bytes(b), "[",
+                               label_, "] block ", b, " has ", store_.bytes(b),
+                               " packed bytes, but its place in the file fills ",
+                               file.blocks[b].bytes);
+    }
+  }
+  staged_.assign(blocks_.size(), false);
+  auto count_staged = [&] {
+    int64_t in_file = 0, pageable = 0;
+    for (int64_t b = 0; b < blocks(); ++b) {
+      const bool from_file = store_.in_file(b);
+      const bool unpinned = !from_file && store_.buffer(b)->pageable();
+      staged_[b] = from_file || unpinned;
+      in_file += from_file ? 1 : 0;
+      pageable += unpinned ? 1 : 0;
+    }
+    return std::pair{in_file, pageable};
+  };
+  const auto [in_file, pageable] = count_staged();
+  if (in_file + pageable == 0) return; // every block is in pinned host memory
+  const int64_t ring = options_.file ? options_.file->staging_buffers : kPageableStaging;
+  // More buffers than staged blocks would never be read into. Pinning is capped (Note [pageable
+  // host memory]): a staging buffer the system will not pin takes the pinned memory of the last
+  // blocks that have some, which nothing has filled yet; those blocks are staged in turn.
+  std::vector<std::shared_ptr<Buffer>> staging;
+  int64_t give_up = store_.caller_memory() ? -1 : blocks() - 1;
+  for (int64_t i = 0; i < std::min(ring, in_file + pageable); ++i) {
+    Buffer buffer = backend_->allocate_host(slot_bytes_);
+    while (buffer.pageable()) {
+      while (give_up >= 0 && staged_[give_up]) --give_up;
+      if (give_up < 0) break;
+      buffer.reset();
+      store_.reallocate(give_up, [&] { buffer = backend_->allocate_host(slot_bytes_); });
+      staged_[give_up] = true; // pinned or not, it is not used again for the ring
+    }
+    staging.push_back(std::make_shared<Buffer>(std::move(buffer)));
+    staging_copied_.emplace_back(staging.back().get(), backend_->make_event());
+  }
+  const int64_t pageable_blocks = count_staged().second;
+  bool staging_pageable = false;
+  for (const auto& buffer : staging) staging_pageable = staging_pageable || buffer->pageable();
+  std::vector<FileBlock> blocks(blocks_.size()); // what the reader reads, per block
+  for (int64_t b = 0; b < this->blocks(); ++b) {
+    if (store_.in_file(b)) {
+      blocks[b] = options_.file->blocks[b];
+    } else if (staged_[b]) {
+      blocks[b] = FileBlock{{}, store_.frozen_bytes(b), store_.buffer(b)->data()};
+    } // else never read: loaded from pinned memory
+  }
+  if (pageable_blocks > 0) { // loud: the user's system caps pinning, and it costs host work
+    warn(label_,
+         detail::concat("WARNING: the host copies of ", pageable_blocks, " of ", this->blocks(),
+                        " blocks are pageable (the system would not pin them): their loads go "
+                        "through ",
+                        staging.size(), " pinned staging buffers of ", slot_bytes_,
+                        " bytes, filled by a reader thread ahead of the copy stream",
+                        staging_pageable ? "; the staging buffers could not be pinned either, "
+                                           "so each load makes the host wait for the copy stream"
+                                         : ""));
+  }
+  reader_ = std::make_unique<FileReader>(
+      options_.file ? options_.file->path : std::string(), std::move(blocks), staging, label_,
+      options_.file ? options_.file->bypass : CacheBypass::direct);
+  plan_reads();
+}
+
+void Engine::Impl::plan_reads() {
+  if (!reader_) return;
+  file_order_.clear();
+  for (const Op& op : current().pass()) {
+    if (op.kind == Op::Kind::move && staged_[op.move.in]) file_order_.push_back(op.move.in);
+  }
+  file_cursor_ = 0;
+}
+
+void Engine::Impl::expect_loads(const std::vector<int64_t>& blocks) {
+  if (!reader_) return;
+  reader_->cancel();
+  file_ahead_.clear();
+  for (int64_t b : blocks) {
+    if (!staged_[b]) continue;
+    reader_->request(b);
+    file_ahead_.push_back(b);
+  }
+  file_cursor_ = 0; // then the pass
+}
+
+FileReader::Staged Engine::Impl::take_from_file(int64_t block) {
+  if (file_ahead_.empty() || file_ahead_.front() != block) { // Note [the file tier]
+    reader_->cancel();
+    file_ahead_.clear();
+    reader_->request(block);
+    file_ahead_.push_back(block);
+    const auto at = std::find(file_order_.begin(), file_order_.end(), block);
+    if (at != file_order_.end()) {
+      file_cursor_ = static_cast<std::size_t>(at - file_order_.begin() + 1) % file_order_.size();
+    }
+  }
+  file_ahead_.pop_front();
+  FileReader::Staged staged = reader_->next(); // rethrows the read's failure
+  read_ahead();
+  return staged;
+}
+
+void Engine::Impl::read_ahead() {
+  const std::size_t depth = staging_copied_.size();
+  while (!file_order_.empty() && file_ahead_.size() < depth) {
+    const int64_t b = file_order_[file_cursor_];
+    file_cursor_ = (file_cursor_ + 1) % file_order_.size();
+    reader_->request(b);
+    file_ahead_.push_back(b);
+  }
+}
+
+void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
+  FileReader::Staged staged;
+  try {
+    staged = take_from_file(block);
+  } catch (...) {
+    if (listener_ != nullptr && store_.in_file(block)) listener_->on_file_failed();
+    throw;
+  }
+  const std::size_t bytes = store_.bytes(block);
+  if (const std::size_t trainable = store_.trainable_bytes(block); trainable > 0) {
+    // Note [pageable host memory]: the freshest trainable bytes, once written back.
+    if (store_.pending(block)) {
+      try {
+        backend_->synchronize(store_.written(block));
+      } catch (...) {
+        reader_->release(staged);
+        copy_failed(std::current_exception());
+      }
+    }
+    std::memcpy(staged.buffer->data() + store_.frozen_bytes(block),
+                store_.load_source(block).trainable, trainable);
+  }
+  backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
+  Event* copied = nullptr;
+  for (auto& [buffer, event] : staging_copied_) {
+    if (buffer == staged.buffer.get()) copied = event.get();
+  }
+  BLOCKSWAP_ASSERT(copied != nullptr, "a staging buffer the engine did not make");
+  backend_->record(*copied, Stream::copy);
+  reader_->release(staged, [backend = backend_, copied] { backend->synchronize(*copied); });
+  (store_.in_file(block) ? stats_.disk_bytes : stats_.staged_bytes) += bytes;
+}
+
+} // namespace blockswap

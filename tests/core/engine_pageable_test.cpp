@@ -1,0 +1,186 @@
+// The engine where the system caps page-locked memory: blocks whose host copies are pageable
+// are loaded through a pinned staging ring, exactly, and no load makes the host wait for the
+// copy stream (Note [pageable host memory] in engine_staging.cpp).
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/layout.hpp"
+#include "blockswap/device/emulated.hpp"
+
+namespace blockswap {
+namespace {
+
+constexpr std::size_t kFloats = 1024; // 4 KiB per block
+constexpr std::size_t kBytes = kFloats * sizeof(float);
+
+float value(int64_t block, std::size_t j, int version = 0) {
+  return float(block) * 1e4f + float(j) + float(version) * 0.5f;
+}
+
+// A device whose host memory pins at most `blocks` blocks' worth (one slot each here).
+std::shared_ptr<EmulatedDevice> capped(std::size_t blocks) {
+  return std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{
+      .link_gbps = 4.0, .pinnable_bytes = blocks * layout::align_up(kBytes)});
+}
+
+void fill(Engine& engine) {
+  for (int64_t b = 0; b < engine.blocks(); ++b) {
+    auto* host = reinterpret_cast<float*>(engine.host_data(b));
+    for (std::size_t j = 0; j < kFloats; ++j) host[j] = value(b, j);
+  }
+}
+
+// Block `b` on the device holds value(b, j) in its frozen floats and value(b, j, versions[b])
+// in its last `trainable` floats.
+void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0,
+                      int version = 0) {
+  const auto* dev = reinterpret_cast<const float*>(engine.device_data(b));
+  for (std::size_t j = 0; j < kFloats; ++j) {
+    const float want = value(b, j, j >= kFloats - trainable ? version : 0);
+    ASSERT_EQ(dev[j], want) << "block " << b << " float " << j;
+  }
+}
+
+TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
+  // 3 blocks' worth pins: blocks 0..2 first, then the ring's two buffers take 2's and 1's.
+  auto device = capped(3);
+  Engine engine(device, std::vector<std::size_t>(8, kBytes), {.blocks_to_swap = 3});
+  std::vector<bool> pageable;
+  for (int64_t b = 0; b < 8; ++b) pageable.push_back(engine.host_buffer(b)->pageable());
+  EXPECT_EQ(pageable, (std::vector<bool>{false, true, true, true, true, true, true, true}));
+}
+
+// Frozen blocks (the reader copies them ahead), and blocks whose bytes may all change (the
+// default without trainable_bytes: the load copies them into the staging buffer itself).
+TEST(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
+  for (const bool frozen : {true, false}) {
+    for (int64_t k : {1, 3, 6}) {
+    SCOPED_TRACE(::testing::Message() << "K " << k << (frozen ? " frozen" : " trainable"));
+    auto device = capped(3);
+    EngineOptions options{.blocks_to_swap = k};
+    if (frozen) options.trainable_bytes.assign(8, 0);
+    Engine engine(device, std::vector<std::size_t>(8, kBytes), options);
+    fill(engine);
+    engine.prepare();
+    for (int pass = 0; pass < 3; ++pass) {
+      for (int64_t b = 0; b < 8; ++b) {
+        engine.enter(b);
+        expect_on_device(engine, b);
+        engine.leave(b);
+      }
+    }
+    engine.synchronize();
+    EXPECT_EQ(device->pageable_copies(), 0u);
+    EXPECT_GT(engine.stats().staged_bytes, 0u);
+    EXPECT_EQ(engine.stats().disk_bytes, 0u);
+    }
+  }
+}
+
+TEST(PageableHostMemory, AllPinnedStagesNothing) {
+  auto device = std::make_shared<EmulatedDevice>();
+  Engine engine(device, std::vector<std::size_t>(8, kBytes), {.blocks_to_swap = 3});
+  fill(engine);
+  engine.prepare();
+  for (int64_t b = 0; b < 8; ++b) {
+    engine.enter(b);
+    expect_on_device(engine, b);
+    engine.leave(b);
+  }
+  engine.synchronize();
+  EXPECT_EQ(engine.stats().staged_bytes, 0u);
+  EXPECT_EQ(device->pageable_copies(), 0u);
+}
+
+// Full fine-tuning: each backward changes a block's trainable floats on the device; the next
+// load of the block, staged from pageable memory, carries the written-back values. Only the
+// write-backs touch pageable memory directly (they make the host wait; loads never do).
+TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
+  constexpr std::size_t kTrainable = 256;
+  constexpr int64_t kBlocks = 6;
+  for (int64_t k : {1, 2, 4}) {
+    SCOPED_TRACE(k);
+    auto device = capped(2); // the ring takes both: every block is pageable
+    Engine engine(device, std::vector<std::size_t>(kBlocks, kBytes),
+                  {.blocks_to_swap = k,
+                   .supports_backward = true,
+                   .trainable_bytes = std::vector<std::size_t>(kBlocks, kTrainable * sizeof(float))});
+    for (int64_t b = 0; b < kBlocks; ++b) ASSERT_TRUE(engine.host_buffer(b)->pageable()) << b;
+    fill(engine);
+    std::vector<int> version(kBlocks, 0);
+    for (int step = 1; step <= 3; ++step) {
+      engine.prepare();
+      for (int64_t b = 0; b < kBlocks; ++b) {
+        engine.enter(b);
+        expect_on_device(engine, b, kTrainable, version[b]);
+        engine.leave(b);
+      }
+      for (int64_t b = kBlocks - 1; b >= 0; --b) {
+        engine.wait_for_block(b);
+        expect_on_device(engine, b, kTrainable, version[b]);
+        auto* dev = reinterpret_cast<float*>(engine.device_data(b));
+        version[b] = step;
+        for (std::size_t j = kFloats - kTrainable; j < kFloats; ++j) dev[j] = value(b, j, step);
+        engine.mark_dirty(b);
+        engine.after_backward(b);
+      }
+    }
+    engine.prepare(); // the last step's changes come back with the next loads
+    for (int64_t b = 0; b < kBlocks; ++b) {
+      engine.enter(b);
+      expect_on_device(engine, b, kTrainable, 3);
+      engine.leave(b);
+    }
+    engine.synchronize();
+    const uint64_t write_backs = engine.stats().d2h_bytes / (kTrainable * sizeof(float));
+    EXPECT_GT(engine.stats().staged_bytes, 0u);
+    EXPECT_LE(device->pageable_copies(), write_backs); // the spare regions may pin
+  }
+}
+
+// Orders the schedule did not foresee (a mode switch in the middle of training, a pass
+// stopped early) cancel the reads ahead and stay exact.
+TEST(PageableHostMemory, UnforeseenOrdersStayExact) {
+  auto device = capped(2);
+  Engine engine(device, std::vector<std::size_t>(6, kBytes),
+                {.blocks_to_swap = 2,
+                 .supports_backward = true,
+                 .trainable_bytes = std::vector<std::size_t>(6, 0)});
+  fill(engine);
+  engine.prepare();
+  for (int64_t b = 0; b < 3; ++b) { // stopped early
+    engine.enter(b);
+    expect_on_device(engine, b);
+    engine.leave(b);
+  }
+  engine.set_forward_only(true);
+  for (int pass = 0; pass < 2; ++pass) {
+    engine.prepare();
+    for (int64_t b = 0; b < 6; ++b) {
+      engine.enter(b);
+      expect_on_device(engine, b);
+      engine.leave(b);
+    }
+  }
+  engine.set_forward_only(false);
+  engine.prepare();
+  for (int64_t b = 0; b < 6; ++b) {
+    engine.enter(b);
+    expect_on_device(engine, b);
+    engine.leave(b);
+  }
+  for (int64_t b : {5, 3, 4, 2, 1, 0}) { // backward out of order
+    engine.wait_for_block(b);
+    expect_on_device(engine, b);
+    engine.after_backward(b);
+  }
+  engine.synchronize();
+  EXPECT_EQ(device->pageable_copies(), 0u);
+}
+
+} // namespace
+} // namespace blockswap
