@@ -23,8 +23,8 @@ float value(int64_t block, std::size_t j, int version = 0) {
 
 // A device whose host memory pins at most `blocks` blocks' worth (one slot each here).
 std::shared_ptr<EmulatedDevice> capped(std::size_t blocks) {
-  return std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{
-      .link_gbps = 4.0, .pinnable_bytes = blocks * layout::align_up(kBytes)});
+  return std::make_shared<EmulatedDevice>(
+      EmulatedDeviceOptions{.link_gbps = 4.0, .pinnable_bytes = blocks * layout::align_up(kBytes)});
 }
 
 void fill(Engine& engine) {
@@ -36,8 +36,7 @@ void fill(Engine& engine) {
 
 // Block `b` on the device holds value(b, j) in its frozen floats and value(b, j, versions[b])
 // in its last `trainable` floats.
-void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0,
-                      int version = 0) {
+void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0, int version = 0) {
   const auto* dev = reinterpret_cast<const float*>(engine.device_data(b));
   for (std::size_t j = 0; j < kFloats; ++j) {
     const float want = value(b, j, j >= kFloats - trainable ? version : 0);
@@ -59,24 +58,24 @@ TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
 TEST(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
   for (const bool frozen : {true, false}) {
     for (int64_t k : {1, 3, 6}) {
-    SCOPED_TRACE(::testing::Message() << "K " << k << (frozen ? " frozen" : " trainable"));
-    auto device = capped(3);
-    EngineOptions options{.blocks_to_swap = k};
-    if (frozen) options.trainable_bytes.assign(8, 0);
-    Engine engine(device, std::vector<std::size_t>(8, kBytes), options);
-    fill(engine);
-    engine.prepare();
-    for (int pass = 0; pass < 3; ++pass) {
-      for (int64_t b = 0; b < 8; ++b) {
-        engine.enter(b);
-        expect_on_device(engine, b);
-        engine.leave(b);
+      SCOPED_TRACE(::testing::Message() << "K " << k << (frozen ? " frozen" : " trainable"));
+      auto device = capped(3);
+      EngineOptions options{.blocks_to_swap = k};
+      if (frozen) options.trainable_bytes.assign(8, 0);
+      Engine engine(device, std::vector<std::size_t>(8, kBytes), options);
+      fill(engine);
+      engine.prepare();
+      for (int pass = 0; pass < 3; ++pass) {
+        for (int64_t b = 0; b < 8; ++b) {
+          engine.enter(b);
+          expect_on_device(engine, b);
+          engine.leave(b);
+        }
       }
-    }
-    engine.synchronize();
-    EXPECT_EQ(device->pageable_copies(), 0u);
-    EXPECT_GT(engine.stats().staged_bytes, 0u);
-    EXPECT_EQ(engine.stats().disk_bytes, 0u);
+      engine.synchronize();
+      EXPECT_EQ(device->pageable_copies(), 0u);
+      EXPECT_GT(engine.stats().staged_bytes, 0u);
+      EXPECT_EQ(engine.stats().disk_bytes, 0u);
     }
   }
 }
@@ -105,10 +104,11 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
   for (int64_t k : {1, 2, 4}) {
     SCOPED_TRACE(k);
     auto device = capped(2); // the ring takes both: every block is pageable
-    Engine engine(device, std::vector<std::size_t>(kBlocks, kBytes),
-                  {.blocks_to_swap = k,
-                   .supports_backward = true,
-                   .trainable_bytes = std::vector<std::size_t>(kBlocks, kTrainable * sizeof(float))});
+    Engine engine(
+        device, std::vector<std::size_t>(kBlocks, kBytes),
+        {.blocks_to_swap = k,
+         .supports_backward = true,
+         .trainable_bytes = std::vector<std::size_t>(kBlocks, kTrainable * sizeof(float))});
     for (int64_t b = 0; b < kBlocks; ++b) ASSERT_TRUE(engine.host_buffer(b)->pageable()) << b;
     fill(engine);
     std::vector<int> version(kBlocks, 0);
