@@ -666,6 +666,28 @@ TEST(Run, HostBudgetReadsTheBlocksBeyondItFromTheFile) {
                         "size");
 }
 
+// Where pinning is capped (--pinnable-bytes on the emulated device), the loads are staged from
+// pageable memory, and every mode stays bitwise the model without blockswap.
+TEST(Run, PinnableBytesStagesTheLoadsFromPageableMemoryExactly) {
+  for (const std::string mode : {"infer", "train", "finetune"}) {
+    for (const std::string pinnable : {"0", "64KiB"}) {
+      const Result r =
+          run_tool("run --mode " + mode + " --blocks 4 --hidden 64 --heads 2 " +
+                   "--swap 2 --tokens 8 --steps 2 --json --pinnable-bytes " + pinnable);
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      const json out = json::parse(r.out);
+      EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0) << mode << " " << pinnable;
+      EXPECT_GT(out["swapped"]["staged_bytes"].get<uint64_t>(), 0u) << mode << " " << pinnable;
+      EXPECT_NE(r.err.find("are pageable"), std::string::npos) << r.err;
+    }
+  }
+  const Result pinned = run_tool("run --blocks 4 --hidden 64 --heads 2 --swap 2 --tokens 8 "
+                                 "--steps 1 --json");
+  ASSERT_EQ(pinned.exit_code, 0) << pinned.err;
+  EXPECT_EQ(json::parse(pinned.out)["swapped"]["staged_bytes"], 0);
+  expect_one_line_error(run_tool("run --pinnable-bytes 12Q"), {"12Q"}, "size");
+}
+
 // A failure as the tool reports every one: a non-zero exit and one line, "blockswap: error: …",
 // that contains each of `parts`.
 void expect_one_line_error(const Result& r, const std::vector<std::string>& parts,

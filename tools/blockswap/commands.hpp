@@ -33,6 +33,9 @@ struct RunArgs {
   // for each load (empty: the model loaded whole, side by side with the baseline).
   std::string host_budget;
   std::string file_reads = "direct"; // direct | drop (Options::file_reads)
+  // The emulated device pins at most this much host memory (empty: no cap), as a low
+  // `ulimit -l` or WSL does: past it, the host copies are pageable and their loads staged.
+  std::string pinnable_bytes;
   // Data-parallel LoRA training over this many processes (0: one process, no c10d).
   int ranks = 0;
   double timeout_seconds = 60; // how long a rank waits for the others

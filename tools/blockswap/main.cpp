@@ -99,6 +99,10 @@ int main(int argc, char** argv) {
                    "from the page cache after)")
       ->check(CLI::IsMember({"direct", "drop"}))
       ->capture_default_str();
+  run_cmd->add_option("--pinnable-bytes", run.pinnable_bytes,
+                      "emulated device: page-lock at most this much host memory (0, 4GiB, ...), "
+                      "as a low ulimit -l or WSL does; past it, loads are staged from pageable "
+                      "memory");
   run_cmd->add_option("--trace", run.trace,
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");

@@ -165,8 +165,7 @@ int run_command(const RunArgs& args) {
   options.supports_backward = train;
   if (work == Work::finetune) options.optimizer = finetune_adamw();
   options.step_on = step_on;
-  options.device = device;
-  options.emulated_link_gbps = args.link_gbps;
+  use_device(args, device, options);
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
 
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
@@ -218,6 +217,7 @@ int run_command(const RunArgs& args) {
           {"h2d_bytes", stats.h2d_bytes / steps},
           {"d2h_bytes", stats.d2h_bytes / steps},
           {"stall_seconds", stats.stall_seconds / double(steps)},
+          {"staged_bytes", stats.staged_bytes / steps},
           {"predicted_step_seconds", predicted}}},
         {"max_abs_diff", diff},
     };

@@ -79,8 +79,7 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
   Options options;
   options.blocks_to_swap = k;
   options.supports_backward = work == Work::train;
-  options.device = device;
-  options.emulated_link_gbps = args.link_gbps;
+  use_device(args, device, options);
   options.weights_file = args.weights;
   options.weights_from_file = true;
   options.host_budget_bytes = host_budget;
@@ -120,7 +119,8 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
           {"blocks_in_file", in_file},
           {"peak_rss_bytes", peak_rss},
           {"peak_rss_of_swapped_run_alone", reset},
-          {"stall_seconds", stats.stall_seconds / double(steps)}}},
+          {"stall_seconds", stats.stall_seconds / double(steps)},
+          {"staged_bytes", stats.staged_bytes / steps}}},
         {"max_abs_diff", diff},
     };
     std::cout << out.dump(2) << '\n';

@@ -7,6 +7,7 @@
 #include <cstdio>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/model_io/size.hpp"
 #include "progress.hpp"
 
 namespace blockswap::tool {
@@ -180,6 +181,20 @@ double max_abs_diff(const Phase& a, const Phase& b) {
     diff = std::max(diff, (a.results[i].cpu() - b.results[i].cpu()).abs().max().item<double>());
   }
   return diff;
+}
+
+void use_device(const RunArgs& args, c10::Device device, Options& options) {
+  options.device = device;
+  if (args.pinnable_bytes.empty()) {
+    options.emulated_link_gbps = args.link_gbps;
+    return;
+  }
+  BLOCKSWAP_CHECK(device.is_cpu(), "--pinnable-bytes caps pinning on the emulated device "
+                                   "(--device cpu); a GPU's cap is the system's");
+  DeviceOptions emulated;
+  emulated.emulated_link_gbps = args.link_gbps;
+  emulated.emulated_pinnable_bytes = parse_size(args.pinnable_bytes);
+  options.shared_device = open_device(device, emulated);
 }
 
 } // namespace blockswap::tool

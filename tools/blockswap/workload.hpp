@@ -80,6 +80,9 @@ double max_abs_diff(const Phase& a, const Phase& b);
 
 // `blockswap run --host-budget` (run_from_file.cpp): the baseline, then the three tiers.
 int run_from_file(const RunArgs& args, c10::Device device, int64_t blocks_to_swap);
+// The offloader's device, in `options`: with --pinnable-bytes, an emulated device that pins at
+// most that much host memory (shared_device), else one of the offloader's own.
+void use_device(const RunArgs& args, c10::Device device, Options& options);
 std::string milliseconds(double seconds);
 
 } // namespace blockswap::tool
