@@ -47,21 +47,34 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
                          options.rotating_slots, options.algorithm};
 }
 
-// Which blocks the file tier holds (core/planner.hpp, file_tier): the blocks the mode the engine
-// starts in moves take the host budget first (training, when it supports backward), then those
-// the other mode moves.
+// The schedules of the modes the engine can be in, the one it starts in first (training, when
+// it supports backward): scarce host memory goes to the blocks they move in that order (the
+// file tier's budget, pinned memory where the system caps it; core/planner.hpp).
+std::vector<Schedule> mode_schedules(std::size_t blocks, const EngineOptions& options) {
+  std::vector<Schedule> schedules;
+  if (options.supports_backward) {
+    schedules.emplace_back(schedule_options(blocks, options, Mode::training));
+  }
+  schedules.emplace_back(schedule_options(blocks, options, Mode::forward_only));
+  return schedules;
+}
+
+std::vector<const Schedule*> pointers(const std::vector<Schedule>& schedules) {
+  std::vector<const Schedule*> out;
+  for (const Schedule& schedule : schedules) out.push_back(&schedule);
+  return out;
+}
+
+std::vector<int64_t> host_priority(std::size_t blocks, const EngineOptions& options) {
+  return blockswap::host_priority(static_cast<int64_t>(blocks),
+                                  pointers(mode_schedules(blocks, options)));
+}
+
 std::vector<bool> blocks_in_file(const std::vector<std::size_t>& bytes,
                                  const EngineOptions& options) {
   if (!options.file) return {};
-  std::vector<Schedule> schedules;
-  if (options.supports_backward) {
-    schedules.emplace_back(schedule_options(bytes.size(), options, Mode::training));
-  }
-  schedules.emplace_back(schedule_options(bytes.size(), options, Mode::forward_only));
-  std::vector<const Schedule*> pointers;
-  for (const Schedule& schedule : schedules) pointers.push_back(&schedule);
   std::size_t left = options.file->host_budget_bytes;
-  return file_tier(bytes, pointers, left);
+  return file_tier(bytes, pointers(mode_schedules(bytes.size(), options)), left);
 }
 
 } // namespace
@@ -71,8 +84,9 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
     : backend_(std::move(backend)), options_(std::move(options)), label_(std::move(label)),
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
       is_forward_only_(!options_.supports_backward),
-      store_((check_backend(backend_, label_), backend_), block_bytes, options_.trainable_bytes,
-             options_.host_memory, label_, blocks_in_file(block_bytes, options_)) {
+      priority_((check_backend(backend_, label_), host_priority(block_bytes.size(), options_))),
+      store_(backend_, block_bytes, options_.trainable_bytes, options_.host_memory, label_,
+             blocks_in_file(block_bytes, options_), priority_) {
   BLOCKSWAP_CHECK(!(store_.caller_memory() || options_.file) ||
                       options_.algorithm != Algorithm::seed,
                   "[", label_,
@@ -192,7 +206,12 @@ void Engine::prepare() {
     }
     if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
   }
-  if (!loads.empty()) impl_->expect_loads(loads);
+  impl_->read_again();
+  if (!loads.empty()) {
+    impl_->expect_loads(loads);
+  } else if (impl_->reader_) {
+    impl_->read_ahead(); // the pass's first loads
+  }
   int64_t free_slot = 0;
   for (int64_t b = 0; b < n; ++b) {
     if (!wanted(b) || impl_->blocks_[b].slot >= 0) continue;
@@ -388,6 +407,7 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   // copy the tensors are bound to next must hold those bytes.
   if (store_.pending(block) && !state.dirty) commit(block);
   if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
+  read_again(block);
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty) {

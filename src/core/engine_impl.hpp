@@ -70,8 +70,10 @@ struct Engine::Impl {
   void start_staging();
   void plan_reads();                                     // the current schedule's order
   void expect_loads(const std::vector<int64_t>& blocks); // prepare's, in its order
+  // Host bytes may have changed since the reads ahead: a new pass (-1), or `evicted` left.
+  void read_again(int64_t evicted = -1);
   void load_staged(int64_t block, std::byte* slot);
-  FileReader::Staged take_from_file(int64_t block);
+  StagingReader::Staged take_from_file(int64_t block);
   void read_ahead();
   void forget_unready_loads();
   // Called in a catch block with the copy's error: rethrows it, or an Error naming the
@@ -92,7 +94,8 @@ struct Engine::Impl {
   bool is_forward_only_;
   bool enabled_ = true;
   std::size_t slot_bytes_ = 0;
-  HostStore store_; // every host address
+  std::vector<int64_t> priority_; // host memory's (core/planner.hpp, host_priority)
+  HostStore store_;               // every host address
   std::vector<BlockState> blocks_;
   std::vector<SlotState> slots_;
   std::unique_ptr<Event> copies_done_;
@@ -112,10 +115,11 @@ struct Engine::Impl {
   // reader, which waits on them from its thread (so it goes first).
   std::vector<std::pair<const Buffer*, std::unique_ptr<Event>>> staging_copied_;
   std::vector<bool> staged_;        // per block: loaded through the staging ring
+  bool stages_memory_ = false;      // some of them from pageable host memory
   std::vector<int64_t> file_order_; // the staged blocks a pass of the current schedule loads
   std::size_t file_cursor_ = 0;     // the next of them to request
   std::deque<int64_t> file_ahead_;  // requested from the reader, not yet taken
-  std::unique_ptr<FileReader> reader_;
+  std::unique_ptr<StagingReader> reader_;
 };
 
 } // namespace blockswap

@@ -5,11 +5,26 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
+#include <set>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
 
 namespace blockswap {
+namespace {
+
+void warn_once(const std::string& label, const std::string& text) {
+  static std::mutex mutex;
+  static std::set<std::string> warned; // labels
+  {
+    std::lock_guard lock(mutex);
+    if (!warned.insert(label).second) return;
+  }
+  warn(label, text);
+}
+
+} // namespace
 
 // Note [the file tier]
 // A block in the file has no host copy. A reader thread (core/file_reader.hpp) reads its bytes
@@ -34,8 +49,8 @@ namespace blockswap {
 // the staging buffer on the copy stream, overlapped as a pinned block's is. Its trainable bytes,
 // which change between loads, are copied into the staging buffer by the load itself, after its
 // last write-back is done (a write-back into pageable memory is synchronous: the host waits for
-// it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen bytes never
-// change, so a copy made ahead is the copy made at the load.
+// it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen bytes change
+// only when the caller writes them, between passes: prepare() makes the copies ahead again.
 void Engine::Impl::start_staging() {
   if (options_.file) {
     const FileTier& file = *options_.file;
@@ -68,23 +83,26 @@ void Engine::Impl::start_staging() {
   if (in_file + pageable == 0) return; // every block is in pinned host memory
   const int64_t ring = options_.file ? options_.file->staging_buffers : kPageableStaging;
   // More buffers than staged blocks would never be read into. Pinning is capped (Note [pageable
-  // host memory]): a staging buffer the system will not pin takes the pinned memory of the last
-  // blocks that have some, which nothing has filled yet; those blocks are staged in turn.
+  // host memory]): a staging buffer the system will not pin takes the pinned memory of the
+  // blocks that have some and need it least (the last in host_priority: a block that never
+  // moves is loaded once), which nothing has filled yet; those blocks are staged in turn.
   std::vector<std::shared_ptr<Buffer>> staging;
-  int64_t give_up = store_.caller_memory() ? -1 : blocks() - 1;
+  auto give_up = store_.caller_memory() ? priority_.rend() : priority_.rbegin();
   for (int64_t i = 0; i < std::min(ring, in_file + pageable); ++i) {
     Buffer buffer = backend_->allocate_host(slot_bytes_);
     while (buffer.pageable()) {
-      while (give_up >= 0 && staged_[give_up]) --give_up;
-      if (give_up < 0) break;
+      while (give_up != priority_.rend() && staged_[*give_up]) ++give_up;
+      if (give_up == priority_.rend()) break;
+      const int64_t block = *give_up;
       buffer.reset();
-      store_.reallocate(give_up, [&] { buffer = backend_->allocate_host(slot_bytes_); });
-      staged_[give_up] = true; // pinned or not, it is not used again for the ring
+      store_.reallocate(block, [&] { buffer = backend_->allocate_host(slot_bytes_); });
+      staged_[block] = true; // pinned or not, it is not used again for the ring
     }
     staging.push_back(std::make_shared<Buffer>(std::move(buffer)));
     staging_copied_.emplace_back(staging.back().get(), backend_->make_event());
   }
   const int64_t pageable_blocks = count_staged().second;
+  stages_memory_ = pageable_blocks > 0;
   bool staging_pageable = false;
   for (const auto& buffer : staging) staging_pageable = staging_pageable || buffer->pageable();
   std::vector<FileBlock> blocks(blocks_.size()); // what the reader reads, per block
@@ -95,20 +113,27 @@ void Engine::Impl::start_staging() {
       blocks[b] = FileBlock{{}, store_.frozen_bytes(b), store_.buffer(b)->data()};
     } // else never read: loaded from pinned memory
   }
-  if (pageable_blocks > 0) { // loud: the user's system caps pinning, and it costs host work
-    warn(label_,
-         detail::concat("WARNING: the host copies of ", pageable_blocks, " of ", this->blocks(),
-                        " blocks are pageable (the system would not pin them): their loads go "
-                        "through ",
-                        staging.size(), " pinned staging buffers of ", slot_bytes_,
-                        " bytes, filled by a reader thread ahead of the copy stream",
-                        staging_pageable ? "; the staging buffers could not be pinned either, "
-                                           "so each load makes the host wait for the copy stream"
-                                         : ""));
+  // Loud, once per block list and process (an offloader built again says nothing new): the
+  // user's system caps pinning, and it costs host work.
+  if (pageable_blocks > 0) {
+    warn_once(label_, detail::concat(
+                          "WARNING: the host copies of ", pageable_blocks, " of ", this->blocks(),
+                          " blocks are pageable (the system would not pin them): their loads "
+                          "go through ",
+                          staging.size(), " pinned staging buffers of ", slot_bytes_,
+                          " bytes, filled by a reader thread ahead of the copy stream",
+                          staging_pageable ? "; the staging buffers could not be pinned "
+                                             "either, so each load makes the host wait for "
+                                             "the copy stream"
+                                           : ""));
+  } else if (staging_pageable) {
+    warn_once(label_, "WARNING: the file tier's staging buffers could not be pinned (the system "
+                      "caps pinning): each load from the file makes the host wait for the copy "
+                      "stream");
   }
-  reader_ = std::make_unique<FileReader>(
-      options_.file ? options_.file->path : std::string(), std::move(blocks), staging, label_,
-      options_.file ? options_.file->bypass : CacheBypass::direct);
+  reader_ = backend_->make_staging_reader(StagingSpec{
+      options_.file ? options_.file->path : std::string(), std::move(blocks), std::move(staging),
+      label_, options_.file ? options_.file->bypass : CacheBypass::direct});
   plan_reads();
 }
 
@@ -119,6 +144,20 @@ void Engine::Impl::plan_reads() {
     if (op.kind == Op::Kind::move && staged_[op.move.in]) file_order_.push_back(op.move.in);
   }
   file_cursor_ = 0;
+}
+
+// Note [pageable host memory]: a block's host bytes change between passes (a weight written
+// between steps) and at its eviction (the listener saves there what the caller wrote into its
+// slot), so the copies made ahead from host memory are made again then: at prepare(), and when
+// a block they include leaves the device. The file's bytes never change under a run.
+void Engine::Impl::read_again(int64_t evicted) {
+  if (!reader_ || !stages_memory_) return;
+  if (evicted >= 0 &&
+      std::find(file_ahead_.begin(), file_ahead_.end(), evicted) == file_ahead_.end()) {
+    return;
+  }
+  reader_->cancel();
+  for (int64_t b : file_ahead_) reader_->request(b);
 }
 
 void Engine::Impl::expect_loads(const std::vector<int64_t>& blocks) {
@@ -133,7 +172,7 @@ void Engine::Impl::expect_loads(const std::vector<int64_t>& blocks) {
   file_cursor_ = 0; // then the pass
 }
 
-FileReader::Staged Engine::Impl::take_from_file(int64_t block) {
+StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
   if (file_ahead_.empty() || file_ahead_.front() != block) { // Note [the file tier]
     reader_->cancel();
     file_ahead_.clear();
@@ -145,7 +184,7 @@ FileReader::Staged Engine::Impl::take_from_file(int64_t block) {
     }
   }
   file_ahead_.pop_front();
-  FileReader::Staged staged = reader_->next(); // rethrows the read's failure
+  StagingReader::Staged staged = reader_->next(); // rethrows the read's failure
   read_ahead();
   return staged;
 }
@@ -161,7 +200,7 @@ void Engine::Impl::read_ahead() {
 }
 
 void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
-  FileReader::Staged staged;
+  StagingReader::Staged staged;
   try {
     staged = take_from_file(block);
   } catch (...) {
@@ -189,7 +228,7 @@ void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
   }
   BLOCKSWAP_ASSERT(copied != nullptr, "a staging buffer the engine did not make");
   backend_->record(*copied, Stream::copy);
-  reader_->release(staged, [backend = backend_, copied] { backend->synchronize(*copied); });
+  reader_->release(staged, copied);
   (store_.in_file(block) ? stats_.disk_bytes : stats_.staged_bytes) += bytes;
 }
 

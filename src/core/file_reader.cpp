@@ -49,8 +49,9 @@ int64_t ns(const struct timespec& t) {
 
 FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
                        const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
-                       CacheBypass bypass)
-    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)) {
+                       CacheBypass bypass, Backend* backend)
+    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)),
+      backend_(backend) {
   for (const auto& buffer : staging) free_.push_back(Free{buffer, {}});
   BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_,
                            "] the file tier needs at least one "
@@ -144,11 +145,15 @@ FileReader::Staged FileReader::next() {
   return Staged{request.block, std::move(request.buffer)};
 }
 
-void FileReader::release(const Staged& staged, std::function<void()> copied) {
+void FileReader::release(const Staged& staged, const Event* copied) {
   if (!staged.buffer) return;
+  BLOCKSWAP_CHECK(copied == nullptr || backend_ != nullptr, "[", label_,
+                  "] the file reader was given no backend to wait for a copy with");
+  std::function<void()> wait;
+  if (copied != nullptr) wait = [backend = backend_, copied] { backend->synchronize(*copied); };
   {
     std::lock_guard lock(mutex_);
-    free_.push_back(Free{staged.buffer, std::move(copied)});
+    free_.push_back(Free{staged.buffer, std::move(wait)});
   }
   changed_.notify_all();
 }
@@ -187,8 +192,8 @@ void FileReader::run() {
       return request != nullptr && !free_.empty();
     });
     if (stopping_) return;
-    Free taken = std::move(free_.back());
-    free_.pop_back();
+    Free taken = std::move(free_.front()); // released first: its copy ends first
+    free_.erase(free_.begin());
     const std::shared_ptr<Buffer> buffer = taken.buffer;
     request->buffer = buffer;
     const int64_t block = request->block;
@@ -347,6 +352,11 @@ void FileReader::read_block(int64_t block, std::byte* into) {
     }
   }
   check_unchanged(block); // a change during the read
+}
+
+std::unique_ptr<StagingReader> Backend::make_staging_reader(StagingSpec spec) {
+  return std::make_unique<FileReader>(std::move(spec.path), std::move(spec.blocks), spec.staging,
+                                      std::move(spec.label), spec.bypass, this);
 }
 
 } // namespace blockswap

@@ -9,7 +9,7 @@ namespace blockswap {
 HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
                      const std::vector<std::size_t>& trainable_bytes,
                      std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
-                     const std::vector<bool>& in_file)
+                     const std::vector<bool>& in_file, const std::vector<int64_t>& order)
     : backend_(std::move(backend)), caller_memory_(!memory.empty()) {
   const std::size_t n = block_bytes.size();
   BLOCKSWAP_CHECK(memory.empty() || memory.size() == n, "[", label, "] host_memory has ",
@@ -35,10 +35,7 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
                       "holds frozen blocks only (give the host budget room for this block)");
       continue;
     }
-    if (!caller_memory_) {
-      block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
-      continue;
-    }
+    if (!caller_memory_) continue; // allocated below
     block.host = std::move(memory[i]);
     BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label,
                     "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
@@ -46,6 +43,17 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
     BLOCKSWAP_CHECK(block.trainable == 0, "[", label, "] block ", i,
                     " has trainable bytes, which cannot live in host memory the engine does "
                     "not own (EngineOptions::host_memory)");
+  }
+  if (caller_memory_) return;
+  // In `order` (pinned memory may run out: the first blocks get it), then any left out.
+  std::vector<std::size_t> sequence;
+  for (int64_t b : order) sequence.push_back(static_cast<std::size_t>(b));
+  for (std::size_t b = 0; b < n; ++b) sequence.push_back(b);
+  for (std::size_t b : sequence) {
+    BLOCKSWAP_CHECK(b < n, "[", label, "] the allocation order names block ", b, " of ", n);
+    Block& block = blocks_[b];
+    if (block.in_file || block.host) continue;
+    block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
   }
 }
 

@@ -303,25 +303,37 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
   return r;
 }
 
+std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* const> schedules) {
+  std::vector<int64_t> order;
+  std::vector<bool> placed(static_cast<std::size_t>(blocks), false);
+  auto add = [&](int64_t b) {
+    if (placed[static_cast<std::size_t>(b)]) return;
+    placed[static_cast<std::size_t>(b)] = true;
+    order.push_back(b);
+  };
+  for (const Schedule* schedule : schedules) { // the first schedule's moved blocks first
+    std::vector<bool> moved(static_cast<std::size_t>(blocks), false);
+    for (const Op& op : schedule->pass()) {
+      if (op.kind == Op::Kind::move) moved[static_cast<std::size_t>(op.move.in)] = true;
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (moved[static_cast<std::size_t>(b)]) add(b);
+    }
+  }
+  for (int64_t b = 0; b < blocks; ++b) add(b);
+  return order;
+}
+
 std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
                             std::span<const Schedule* const> schedules,
                             std::size_t& host_budget_left) {
   std::vector<bool> from_file(block_bytes.size(), true);
-  auto hold = [&](std::size_t b) {
-    if (!from_file[b] || block_bytes[b] > host_budget_left) return;
-    host_budget_left -= block_bytes[b];
-    from_file[b] = false;
-  };
-  for (const Schedule* schedule : schedules) { // the first schedule's moved blocks first
-    std::vector<bool> moved(block_bytes.size(), false);
-    for (const Op& op : schedule->pass()) {
-      if (op.kind == Op::Kind::move) moved[static_cast<std::size_t>(op.move.in)] = true;
-    }
-    for (std::size_t b = 0; b < block_bytes.size(); ++b) {
-      if (moved[b]) hold(b);
-    }
+  for (int64_t b : host_priority(static_cast<int64_t>(block_bytes.size()), schedules)) {
+    const auto i = static_cast<std::size_t>(b);
+    if (block_bytes[i] > host_budget_left) continue;
+    host_budget_left -= block_bytes[i];
+    from_file[i] = false;
   }
-  for (std::size_t b = 0; b < block_bytes.size(); ++b) hold(b);
   return from_file;
 }
 

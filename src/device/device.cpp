@@ -1,5 +1,7 @@
 #include "blockswap/device/device.hpp"
 
+#include "blockswap/core/file_reader.hpp"
+
 #include <algorithm>
 #include <charconv>
 #include <limits>
@@ -73,6 +75,9 @@ public:
   Buffer allocate_host(std::size_t bytes) override { return state_->backend->allocate_host(bytes); }
   Buffer pin_host(std::byte* data, std::size_t bytes) override {
     return state_->backend->pin_host(data, bytes);
+  }
+  std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec) override {
+    return state_->backend->make_staging_reader(std::move(spec));
   }
 
   Buffer allocate_device(std::size_t bytes) override {

@@ -45,12 +45,51 @@ void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0
 }
 
 TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
-  // 3 blocks' worth pins: blocks 0..2 first, then the ring's two buffers take 2's and 1's.
+  // Inference, K 3: blocks 0..4 move. 3 blocks' worth pins: blocks 0..2 first, then the ring's
+  // two buffers take 2's and 1's.
   auto device = capped(3);
   Engine engine(device, std::vector<std::size_t>(8, kBytes), {.blocks_to_swap = 3});
   std::vector<bool> pageable;
   for (int64_t b = 0; b < 8; ++b) pageable.push_back(engine.host_buffer(b)->pageable());
   EXPECT_EQ(pageable, (std::vector<bool>{false, true, true, true, true, true, true, true}));
+}
+
+// Pinned memory goes to the blocks that move first; a block that never moves is loaded once
+// and needs none. Training, N 8, K 2: four blocks move. With room for six blocks and the ring,
+// every load is from pinned memory, and the ring was never needed.
+TEST(PageableHostMemory, PinnedMemoryGoesToTheBlocksThatMove) {
+  auto device = capped(6);
+  Engine engine(device, std::vector<std::size_t>(8, kBytes),
+                {.blocks_to_swap = 2,
+                 .supports_backward = true,
+                 .trainable_bytes = std::vector<std::size_t>(8, 0)});
+  fill(engine);
+  std::vector<bool> moves(8, false);
+  for (const Op& op : engine.schedule().pass()) {
+    if (op.kind == Op::Kind::move) moves[op.move.in] = true;
+  }
+  for (int64_t b = 0; b < 8; ++b) {
+    if (moves[b]) {
+      EXPECT_FALSE(engine.host_buffer(b)->pageable()) << b;
+    }
+  }
+  for (int step = 0; step < 2; ++step) {
+    if (step == 1) engine.reset_stats(); // the first prepare staged the blocks that stay
+    engine.prepare();
+    for (int64_t b = 0; b < 8; ++b) {
+      engine.enter(b);
+      expect_on_device(engine, b);
+      engine.leave(b);
+    }
+    for (int64_t b = 7; b >= 0; --b) {
+      engine.wait_for_block(b);
+      expect_on_device(engine, b);
+      engine.after_backward(b);
+    }
+  }
+  engine.synchronize();
+  EXPECT_EQ(engine.stats().staged_bytes, 0u);
+  EXPECT_GT(engine.stats().moves, 0u);
 }
 
 // Frozen blocks (the reader copies them ahead), and blocks whose bytes may all change (the
@@ -139,6 +178,47 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
     const uint64_t write_backs = engine.stats().d2h_bytes / (kTrainable * sizeof(float));
     EXPECT_GT(engine.stats().staged_bytes, 0u);
     EXPECT_LE(device->pageable_copies(), write_backs); // the spare regions may pin
+  }
+}
+
+// Frozen bytes written by the caller between passes (a weight changed between steps: the host
+// copy of a block off the device, the slot of one on it) reach every later load: no read made
+// ahead before the write survives the next prepare().
+TEST(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
+  constexpr int64_t kBlocks = 6;
+  for (const bool train : {false, true}) {
+    for (int64_t k : {1, 2, 4}) {
+      SCOPED_TRACE(::testing::Message() << "K " << k << (train ? " training" : " inference"));
+      auto device = capped(2);
+      Engine engine(device, std::vector<std::size_t>(kBlocks, kBytes),
+                    {.blocks_to_swap = k,
+                     .supports_backward = train,
+                     .trainable_bytes = std::vector<std::size_t>(kBlocks, 0)});
+      fill(engine);
+      for (int version = 0; version < 4; ++version) {
+        engine.prepare();
+        for (int64_t b = 0; b < kBlocks; ++b) {
+          engine.enter(b);
+          expect_on_device(engine, b, kFloats, version);
+          engine.leave(b);
+        }
+        for (int64_t b = kBlocks - 1; train && b >= 0; --b) {
+          engine.wait_for_block(b);
+          expect_on_device(engine, b, kFloats, version);
+          engine.after_backward(b);
+        }
+        engine.synchronize();
+        for (int64_t b = 0; b < kBlocks; ++b) { // the step's end: a weight changes
+          auto* host = reinterpret_cast<float*>(engine.host_data(b));
+          for (std::size_t j = 0; j < kFloats; ++j) host[j] = value(b, j, version + 1);
+          if (engine.is_resident(b)) {
+            engine.enter(b); // its load is done: its slot is what the block holds
+            auto* dev = reinterpret_cast<float*>(engine.device_data(b));
+            for (std::size_t j = 0; j < kFloats; ++j) dev[j] = value(b, j, version + 1);
+          }
+        }
+      }
+    }
   }
 }
 

@@ -686,6 +686,8 @@ TEST(Run, PinnableBytesStagesTheLoadsFromPageableMemoryExactly) {
   ASSERT_EQ(pinned.exit_code, 0) << pinned.err;
   EXPECT_EQ(json::parse(pinned.out)["swapped"]["staged_bytes"], 0);
   expect_one_line_error(run_tool("run --pinnable-bytes 12Q"), {"12Q"}, "size");
+  expect_one_line_error(run_tool("run --pinnable-bytes ''"), {"--pinnable-bytes needs a size"},
+                        "empty");
 }
 
 // A failure as the tool reports every one: a non-zero exit and one line, "blockswap: error: …",

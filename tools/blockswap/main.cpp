@@ -221,6 +221,8 @@ int main(int argc, char** argv) {
       BLOCKSWAP_CHECK(run.ranks == 0, "--host-budget with --ranks: the tool runs the file tier "
                                       "in one process; leave one of them out");
     }
+    BLOCKSWAP_CHECK(run_cmd->count("--pinnable-bytes") == 0 || !run.pinnable_bytes.empty(),
+                    "--pinnable-bytes needs a size (0, 64MiB, ...)");
     if (run.ranks > 0) return ranks_command(run, argv);
     return run_command(run); // `blockswap` alone runs the default comparison
   } catch (const std::bad_alloc&) {

@@ -18,6 +18,9 @@
 
 namespace blockswap {
 
+class StagingReader; // core/file_reader.hpp
+struct StagingSpec;
+
 // Move-only owner of a range of host or device memory; frees it with the function it was made
 // with. The free function must not need the backend object that made it.
 class Buffer {
@@ -143,6 +146,9 @@ public:
     return std::nullopt;
   }
   virtual MemoryStats memory() const = 0;
+  // The reader of the engine's staging ring (core/file_reader.hpp): a FileReader over the file
+  // and pageable memory (defined in file_reader.cpp); the timed device models a disk instead.
+  virtual std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec);
 };
 
 } // namespace blockswap

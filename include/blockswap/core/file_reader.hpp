@@ -50,43 +50,70 @@ enum class CacheBypass {
   drop,   // buffered reads, each followed by posix_fadvise(POSIX_FADV_DONTNEED)
 };
 
-class FileReader {
+// The staging ring's reader as the engine drives it: blocks asked for in order, each given
+// back in a staging buffer, the buffer free again once the copy out of it is done. FileReader
+// reads the file (and pageable memory); the timed device models a disk (device/timed.hpp).
+class StagingReader {
+public:
+  struct Staged {
+    int64_t block = -1;
+    std::shared_ptr<Buffer> buffer;
+  };
+  virtual ~StagingReader() = default;
+  // Asks for block i, after the blocks asked before.
+  virtual void request(int64_t block) = 0;
+  // The oldest requested block, once read; rethrows its read's failure.
+  virtual Staged next() = 0;
+  // The buffer of a block next() gave is free again once `copied` (an event recorded on the
+  // copy stream after the copy out of it; null: at once) has completed.
+  virtual void release(const Staged& staged, const Event* copied = nullptr) = 0;
+  // Forgets every requested block next() has not given.
+  virtual void cancel() = 0;
+  virtual uint64_t bytes_read() const = 0;
+};
+
+// What Backend::make_staging_reader builds a reader from.
+struct StagingSpec {
+  std::string path; // the model's file (empty: no block has ranges)
+  std::vector<FileBlock> blocks;
+  std::vector<std::shared_ptr<Buffer>> staging; // the ring
+  std::string label;
+  CacheBypass bypass = CacheBypass::direct;
+};
+
+class FileReader final : public StagingReader {
 public:
   // Opens `path` (none when no block has ranges: `path` may be empty) and checks that every
   // range of every block lies inside the file and inside its block's bytes, and that each
   // staging buffer holds the largest block: Error naming `label`, the block and the file
   // otherwise. Starts the reader thread.
+  // `backend`: whose events release() is given (may be null when release() gets none).
   FileReader(std::string path, std::vector<FileBlock> blocks,
              const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
-             CacheBypass bypass = CacheBypass::direct);
-  ~FileReader(); // stops the thread; reads in flight finish first
+             CacheBypass bypass = CacheBypass::direct, Backend* backend = nullptr);
+  ~FileReader() override; // stops the thread; reads in flight finish first
 
   FileReader(const FileReader&) = delete;
   FileReader& operator=(const FileReader&) = delete;
 
   // Asks for block i to be read, after the blocks asked before: as soon as a staging buffer
   // is free, the thread reads it (read-ahead as deep as the ring).
-  void request(int64_t block);
+  void request(int64_t block) override;
 
   // The oldest requested block, once read: its packed bytes at the buffer's start, valid until
   // release(). Waits for the read; rethrows its failure.
-  struct Staged {
-    int64_t block = -1;
-    std::shared_ptr<Buffer> buffer;
-  };
-  Staged next();
-  // The buffer of a block next() gave is free again once `copied` returns (it waits for the
-  // copy out of it, e.g. an event on the copy stream): the thread calls it before it reads into
-  // that buffer again, so that a copy still in flight delays only the read that needs its
-  // buffer. A throw from `copied` fails that read. Empty: free at once.
-  void release(const Staged& staged, std::function<void()> copied = {});
+  Staged next() override;
+  // The thread waits for `copied` (Backend::synchronize) before it reads into that buffer
+  // again, so that a copy still in flight delays only the read that needs its buffer. A copy
+  // that failed fails that read.
+  void release(const Staged& staged, const Event* copied = nullptr) override;
   // Forgets every requested block next() has not given (the caller's order changed): waits for
   // a read in flight, and frees their buffers.
-  void cancel();
+  void cancel() override;
 
   // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
   bool direct() const { return direct_; }
-  uint64_t bytes_read() const; // from the file and from memory
+  uint64_t bytes_read() const override; // from the file and from memory
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   const std::string& path() const { return path_; }
 
@@ -107,6 +134,7 @@ private:
 
   const std::string path_, label_;
   const std::vector<FileBlock> blocks_;
+  Backend* backend_ = nullptr;
   int fd_ = -1;
   bool direct_ = false;
   uint64_t size_ = 0;

@@ -39,12 +39,14 @@ public:
   // caller and never written by the store, so its blocks have no trainable bytes (empty: the
   // store allocates every block's from `backend`). `in_file[i]`: block i's bytes stay in the
   // model's file (the file tier, which reads them for each load): the store holds no host
-  // memory for it, and it may have no trainable bytes (empty: no block). Throws Error naming the
-  // block and `label` for sizes that do not agree.
+  // memory for it, and it may have no trainable bytes (empty: no block). `order`: the blocks
+  // in the order their host memory is allocated (core/planner.hpp, host_priority: where pinned
+  // memory runs out, the first get it); the blocks it leaves out follow in block order. Throws
+  // Error naming the block and `label` for sizes that do not agree.
   HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
             const std::vector<std::size_t>& trainable_bytes,
             std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
-            const std::vector<bool>& in_file = {});
+            const std::vector<bool>& in_file = {}, const std::vector<int64_t>& order = {});
 
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   std::size_t bytes(int64_t block) const { return blocks_[block].bytes; }

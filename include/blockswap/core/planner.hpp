@@ -70,6 +70,11 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
                                          std::span<const BlockTiming> timings,
                                          const LinkModel& link);
 
+// The order in which blocks are given host memory that is scarce (the file tier's budget,
+// pinned memory where the system caps it): the blocks a pass of `schedules[0]` loads by a move,
+// in block order, then those of `schedules[1]`, then the blocks that never move.
+std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* const> schedules);
+
 // The file tier (DESIGN.md, "Tiers"): per block, whether its bytes are read from the model's file
 // for each load. The blocks that a pass of `schedules[0]` loads by a move are held in host memory
 // while `host_budget_left` lasts, in block order (their bytes taken from it), then those of

@@ -17,6 +17,12 @@
 //
 // Its memory is address space only: it holds no data, and reading or writing it faults. It is
 // for drivers that compute nothing (time_step below, the benchmarks), not for tensors.
+//
+// The file tier's disk is modelled too (make_staging_reader): a block read from the file
+// occupies the disk for LinkModel::disk_seconds(bytes), reads one after another in the order
+// asked, each starting once it is asked for, the disk is free and a staging buffer is (the copy
+// out of its last block ended); the host waits in next() until its block is read, as the
+// engine's thread waits for the reader.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +34,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/file_reader.hpp"
 #include "blockswap/core/simulator.hpp"
 
 namespace blockswap {
@@ -71,6 +78,10 @@ public:
   bool times_events() const override { return true; }
   std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override;
   MemoryStats memory() const override;
+  // A modelled disk (above); nothing is read. Throws Error when the link has no disk bandwidth.
+  std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec) override;
+  // Device seconds the disk has spent reading.
+  double disk_busy_seconds() const;
 
   // Enqueues `seconds` of computation on the compute stream; `tag` names it in the log.
   void compute(double seconds, int64_t tag = -1);

@@ -216,7 +216,127 @@ struct TimedDevice::State {
   }
 
   double last_compute_end = 0;
+  double disk_busy = 0;
 };
+
+namespace {
+
+// The modelled disk (timed.hpp). Reads are computed when next() needs them, in the order asked:
+// each starts at the latest of its request, the end of the read before it and the moment a
+// staging buffer is free; the buffer chosen is the one free first.
+class TimedReader final : public StagingReader {
+public:
+  TimedReader(std::shared_ptr<TimedDevice::State> state, StagingSpec spec, uint64_t device)
+      : state_(std::move(state)), blocks_(std::move(spec.blocks)), label_(std::move(spec.label)),
+        device_(device) {
+    BLOCKSWAP_CHECK(state_->options.link.disk_bytes_per_second > 0, "[", label_,
+                    "] timed device: the file tier needs the disk's bandwidth "
+                    "(LinkModel::disk_bytes_per_second)");
+    for (auto& buffer : spec.staging) ring_.push_back(Slot{std::move(buffer), nullptr, 0, false});
+    BLOCKSWAP_CHECK(!ring_.empty(), "[", label_, "] the file tier needs a staging buffer");
+  }
+
+  void request(int64_t block) override {
+    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(blocks_.size()), "[", label_,
+                    "] block index ", block, " is out of range");
+    std::lock_guard lock(state_->mutex);
+    requests_.push_back(Request{block, state_->host_now_locked()});
+  }
+
+  Staged next() override {
+    BLOCKSWAP_CHECK(!requests_.empty(), "[", label_, "] next() with no block requested");
+    const Request request = requests_.front();
+    requests_.pop_front();
+    auto [slot, end] = read(request);
+    slot->held = true;
+    std::lock_guard lock(state_->mutex);
+    state_->host_resumes_locked(end); // the host waited for the read
+    return Staged{request.block, slot->buffer};
+  }
+
+  void release(const Staged& staged, const Event* copied) override {
+    for (Slot& slot : ring_) {
+      if (slot.buffer != staged.buffer) continue;
+      slot.held = false;
+      slot.copied = copied ? timed(*copied, device_).mark : nullptr;
+      return;
+    }
+  }
+
+  // The reads already under way when the host cancels them finish (the disk is busy for them);
+  // the others never start.
+  void cancel() override {
+    double now = 0;
+    {
+      std::lock_guard lock(state_->mutex);
+      now = state_->host_now_locked();
+    }
+    for (const Request& request : requests_) {
+      if (start_of(request).first > now) break;
+      read(request);
+    }
+    requests_.clear();
+  }
+
+  uint64_t bytes_read() const override { return bytes_read_; }
+
+private:
+  struct Slot {
+    std::shared_ptr<Buffer> buffer;
+    std::shared_ptr<Mark> copied; // the copy out of it (null: free at free_at)
+    double free_at = 0;
+    bool held = false;
+  };
+  struct Request {
+    int64_t block;
+    double requested;
+  };
+
+  // When `slot` is free: the copy out of it ended (waiting for the copy stream to get there).
+  double free_time(Slot& slot) {
+    if (slot.copied) {
+      std::unique_lock lock(state_->mutex);
+      if (!slot.copied->done) state_->wake_streams();
+      state_->marked.wait(lock, [&] { return slot.copied->done; });
+      slot.free_at = slot.copied->time;
+      slot.copied = nullptr;
+    }
+    return slot.free_at;
+  }
+
+  // Where and when `request`'s read would start.
+  std::pair<double, Slot*> start_of(const Request& request) {
+    Slot* best = nullptr;
+    for (Slot& slot : ring_) {
+      if (!slot.held && (best == nullptr || free_time(slot) < free_time(*best))) best = &slot;
+    }
+    BLOCKSWAP_CHECK(best != nullptr, "[", label_, "] every staging buffer is held");
+    return {std::max({disk_free_, request.requested, free_time(*best)}), best};
+  }
+
+  std::pair<Slot*, double> read(const Request& request) {
+    const auto [start, slot] = start_of(request);
+    const std::size_t bytes = blocks_[request.block].bytes;
+    const double seconds = state_->options.link.disk_seconds(bytes);
+    disk_free_ = start + seconds;
+    slot->free_at = disk_free_; // read into until then
+    bytes_read_ += bytes;
+    std::lock_guard lock(state_->mutex);
+    state_->disk_busy += seconds;
+    return {slot, disk_free_};
+  }
+
+  std::shared_ptr<TimedDevice::State> state_;
+  std::vector<FileBlock> blocks_;
+  std::string label_;
+  uint64_t device_;
+  std::vector<Slot> ring_;
+  std::deque<Request> requests_;
+  double disk_free_ = 0;
+  uint64_t bytes_read_ = 0;
+};
+
+} // namespace
 
 TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<State>()) {
   BLOCKSWAP_CHECK(std::isfinite(options.link.bytes_per_second) &&
@@ -350,6 +470,15 @@ double TimedDevice::finish() {
 std::vector<ComputeRecord> TimedDevice::take_compute_log() {
   std::lock_guard lock(state_->mutex);
   return std::exchange(state_->log, {});
+}
+
+std::unique_ptr<StagingReader> TimedDevice::make_staging_reader(StagingSpec spec) {
+  return std::make_unique<TimedReader>(state_, std::move(spec), state_->id);
+}
+
+double TimedDevice::disk_busy_seconds() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->disk_busy;
 }
 
 double TimedDevice::link_busy_seconds() const {
