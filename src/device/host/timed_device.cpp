@@ -217,13 +217,15 @@ struct TimedDevice::State {
 
   double last_compute_end = 0;
   double disk_busy = 0;
+  double disk_free = 0; // one disk for every engine's reader
 };
 
 namespace {
 
-// The modelled disk (timed.hpp). Reads are computed when next() needs them, in the order asked:
-// each starts at the latest of its request, the end of the read before it and the moment a
-// staging buffer is free; the buffer chosen is the one free first.
+// The modelled disk (timed.hpp), one per device: every engine's reader reads from it. Reads are
+// computed when next() needs them, in the order asked: each starts at the latest of its
+// request, the end of the disk's read before it and the moment a staging buffer is free; the
+// buffer chosen is the one free first.
 class TimedReader final : public StagingReader {
 public:
   TimedReader(std::shared_ptr<TimedDevice::State> state, StagingSpec spec, uint64_t device)
@@ -311,19 +313,22 @@ private:
       if (!slot.held && (best == nullptr || free_time(slot) < free_time(*best))) best = &slot;
     }
     BLOCKSWAP_CHECK(best != nullptr, "[", label_, "] every staging buffer is held");
-    return {std::max({disk_free_, request.requested, free_time(*best)}), best};
+    const double buffer_free = free_time(*best);
+    std::lock_guard lock(state_->mutex);
+    return {std::max({state_->disk_free, request.requested, buffer_free}), best};
   }
 
   std::pair<Slot*, double> read(const Request& request) {
     const auto [start, slot] = start_of(request);
     const std::size_t bytes = blocks_[request.block].bytes;
     const double seconds = state_->options.link.disk_seconds(bytes);
-    disk_free_ = start + seconds;
-    slot->free_at = disk_free_; // read into until then
+    const double end = start + seconds;
+    slot->free_at = end; // read into until then
     bytes_read_ += bytes;
     std::lock_guard lock(state_->mutex);
+    state_->disk_free = end;
     state_->disk_busy += seconds;
-    return {slot, disk_free_};
+    return {slot, end};
   }
 
   std::shared_ptr<TimedDevice::State> state_;
@@ -332,7 +337,6 @@ private:
   uint64_t device_;
   std::vector<Slot> ring_;
   std::deque<Request> requests_;
-  double disk_free_ = 0;
   uint64_t bytes_read_ = 0;
 };
 
