@@ -57,11 +57,9 @@ Row run(const Shape& shape, const std::vector<int64_t>& ks, Mode mode, double ra
     options.trainable_bytes.assign(static_cast<std::size_t>(n), 0);
     options.file = FileTier{"", std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
                             static_cast<std::size_t>(held * double(moved)) * bytes,
-                            link.staging_buffers,
-                            CacheBypass::direct};
-    engines.push_back(std::make_unique<Engine>(device.attach(shape.name),
-                                               std::vector<std::size_t>(n, bytes), options,
-                                               shape.name));
+                            link.staging_buffers, CacheBypass::direct};
+    engines.push_back(std::make_unique<Engine>(
+        device.attach(shape.name), std::vector<std::size_t>(n, bytes), options, shape.name));
     BlockTiming timing = uniform_timing(n, link.seconds(bytes) / ratio, bytes, 2.0);
     for (int64_t b = 0; b < n; ++b) {
       timing.from_file.push_back(engines.back()->in_file(b));
