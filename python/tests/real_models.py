@@ -86,11 +86,11 @@ def checkpointing(model, kind):
             torch.utils.checkpoint.checkpoint, use_reentrant=kind == "reentrant"))
 
 
-def swap(model, kind, k, reentrant=False, supports_backward=True, **extra):
-    """One offloader per block list of the model on one shared device, its hooks waiting for
-    each block and submitting its move (hook_blocks=True; inside checkpointing a recompute
-    waits and submits again). Returns the offloaders."""
-    device = blockswap.open_device("cpu")
+def swap(model, kind, k, reentrant=False, supports_backward=True, device=None, **extra):
+    """One offloader per block list of the model on one shared device (a new emulated one
+    unless given), its hooks waiting for each block and submitting its move (hook_blocks=True;
+    inside checkpointing a recompute waits and submits again). Returns the offloaders."""
+    device = device if device is not None else blockswap.open_device("cpu")
     return [blockswap.ModelOffloader(name, list(getattr(model, name)),
                                      len(getattr(model, name)), k, supports_backward,
                                      torch.device("cpu"), reentrant, shared_device=device,

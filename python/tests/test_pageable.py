@@ -9,18 +9,10 @@ import torch
 
 import blockswap
 from conftest import make_blocks, run_blocks
-from real_models import BLOCK_LISTS, assert_bitwise, build, checkpointing, infer, train
+from real_models import BLOCK_LISTS, assert_bitwise, build, checkpointing, infer, swap, train
 from test_fine_tune import OPTIMIZERS, STEPS, assert_same, batches, fine_tune_blocks, trainable
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
-
-
-def swap(model, kind, k, device, supports_backward=True, reentrant=False, **extra):
-    return [blockswap.ModelOffloader(name, list(getattr(model, name)),
-                                     len(getattr(model, name)), k, supports_backward,
-                                     torch.device("cpu"), reentrant, shared_device=device,
-                                     hook_blocks=True, **extra)
-            for name in BLOCK_LISTS[kind]]
 
 
 def staged(offloaders):
@@ -33,7 +25,7 @@ def test_inference_with_pageable_host_copies_is_bitwise(k, pinnable):
     expected = [infer(build("flux"), "flux", seed=s) for s in (1, 2)]
     model = build("flux")
     device = blockswap.open_device("cpu", pinnable_bytes=pinnable)
-    offloaders = swap(model, "flux", k, device, supports_backward=False)
+    offloaders = swap(model, "flux", k, device=device, supports_backward=False)
     assert_bitwise([infer(model, "flux", offloaders, seed=s) for s in (1, 2)], expected)
     assert staged(offloaders) > 0
 
@@ -48,7 +40,7 @@ def test_lora_training_with_pageable_host_copies_is_bitwise(k, ckpt):
     model = build("flux")
     checkpointing(model, ckpt)
     device = blockswap.open_device("cpu", pinnable_bytes=0)
-    offloaders = swap(model, "flux", k, device, reentrant=reentrant)
+    offloaders = swap(model, "flux", k, device=device, reentrant=reentrant)
     assert_bitwise(train(model, "flux", offloaders, reentrant_inputs=reentrant), expected)
     assert staged(offloaders) > 0
 
@@ -103,7 +95,7 @@ def test_a_frozen_weight_written_between_fine_tuning_steps_is_kept(step_on):
 
 def test_pinned_host_copies_stage_nothing():
     model = build("flux")
-    offloaders = swap(model, "flux", 2, blockswap.open_device("cpu"))
+    offloaders = swap(model, "flux", 2)
     train(model, "flux", offloaders, steps=1)
     assert staged(offloaders) == 0
 
@@ -146,7 +138,7 @@ def test_the_file_tiers_host_budget_may_be_pageable(tmp_path):
     device = blockswap.open_device("cpu", pinnable_bytes=0)
     budget = 2 * max(sum(p.numel() * p.element_size() for p in getattr(model, name)[0]
                          .parameters()) for name in BLOCK_LISTS["flux"])
-    offloaders = swap(model, "flux", 2, device, weights_file=str(path), host_budget_bytes=budget)
+    offloaders = swap(model, "flux", 2, device=device, weights_file=str(path), host_budget_bytes=budget)
     assert_bitwise(train(model, "flux", offloaders), expected)
     assert staged(offloaders) > 0
     assert sum(o.stats()["disk_bytes"] for o in offloaders) > 0
