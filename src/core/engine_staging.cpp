@@ -49,8 +49,10 @@ void warn_once(const std::string& label, const std::string& text) {
 // the staging buffer on the copy stream, overlapped as a pinned block's is. Its trainable bytes,
 // which change between loads, are copied into the staging buffer by the load itself, after its
 // last write-back is done (a write-back into pageable memory is synchronous: the host waits for
-// it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen bytes change
-// only when the caller writes them, between passes: prepare() makes the copies ahead again.
+// it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen host bytes
+// change when the caller writes them between passes, and when a block leaves the device (the
+// listener saves what was written into its slot): the copies ahead are made again then
+// (read_again).
 void Engine::Impl::start_staging() {
   if (options_.file) {
     const FileTier& file = *options_.file;

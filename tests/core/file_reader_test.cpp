@@ -182,7 +182,9 @@ TEST(FileReader, BlocksFromMemoryAreCopiedWhole) {
   for (int64_t b : {0, 1, 0, 2}) {
     const FileReader::Staged staged = reader.next();
     ASSERT_EQ(staged.block, b);
-    EXPECT_EQ(std::memcmp(staged.buffer->data(), blocks[b].memory, blocks[b].bytes), 0) << b;
+    if (blocks[b].bytes > 0) { // block 2 has nothing to read (and no memory)
+      EXPECT_EQ(std::memcmp(staged.buffer->data(), blocks[b].memory, blocks[b].bytes), 0) << b;
+    }
     reader.release(staged);
   }
   EXPECT_EQ(reader.bytes_read(), 2 * memory.size() + 777);
