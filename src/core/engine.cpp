@@ -206,7 +206,7 @@ void Engine::prepare() {
     }
     if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
   }
-  impl_->read_again();
+  impl_->restart_reads();
   if (!loads.empty()) {
     impl_->expect_loads(loads);
   } else if (impl_->reader_) {
@@ -406,8 +406,16 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   // Written back before (Note [write-back before the forward]) and unchanged since: the host
   // copy the tensors are bound to next must hold those bytes.
   if (store_.pending(block) && !state.dirty) commit(block);
-  if (listener_ != nullptr) listener_->on_evicted(block); // may read the slot; may throw
-  read_again(block);
+  if (listener_ != nullptr) {
+    const bool held = hold_reads(block); // the listener may write its host bytes
+    try {
+      listener_->on_evicted(block); // may read the slot; may throw
+    } catch (...) {
+      if (held) resume_reads();
+      throw;
+    }
+    if (held) resume_reads();
+  }
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
   if (state.dirty) {

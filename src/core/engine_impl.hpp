@@ -70,8 +70,10 @@ struct Engine::Impl {
   void start_staging();
   void plan_reads();                                     // the current schedule's order
   void expect_loads(const std::vector<int64_t>& blocks); // prepare's, in its order
-  // Host bytes may have changed since the reads ahead: a new pass (-1), or `evicted` left.
-  void read_again(int64_t evicted = -1);
+  // Note [pageable host memory]: a new pass; copies ahead around `evicted` leaving the device.
+  void restart_reads();
+  bool hold_reads(int64_t evicted); // true: resume_reads() after the eviction
+  void resume_reads();
   void load_staged(int64_t block, std::byte* slot);
   StagingReader::Staged take_from_file(int64_t block);
   void read_ahead();

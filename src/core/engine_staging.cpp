@@ -51,8 +51,8 @@ void warn_once(const std::string& label, const std::string& text) {
 // last write-back is done (a write-back into pageable memory is synchronous: the host waits for
 // it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen host bytes
 // change when the caller writes them between passes, and when a block leaves the device (the
-// listener saves what was written into its slot): the copies ahead are made again then
-// (read_again).
+// listener saves what was written into its slot): copies ahead never cross those points
+// (restart_reads, hold_reads below).
 void Engine::Impl::start_staging() {
   if (options_.file) {
     const FileTier& file = *options_.file;
@@ -150,15 +150,27 @@ void Engine::Impl::plan_reads() {
 
 // Note [pageable host memory]: a block's host bytes change between passes (a weight written
 // between steps) and at its eviction (the listener saves there what the caller wrote into its
-// slot), so the copies made ahead from host memory are made again then: at prepare(), and when
-// a block they include leaves the device. The file's bytes never change under a run.
-void Engine::Impl::read_again(int64_t evicted) {
+// slot). Copies from host memory are not made ahead across a pass's end (read_ahead), and the
+// ones still asked for (a pass stopped early) are dropped at prepare(); around an eviction the
+// copies ahead that include the block wait (hold_reads), and are made again after it. No copy
+// reads host bytes while they change. The file's bytes never change under a run.
+void Engine::Impl::restart_reads() {
   if (!reader_ || !stages_memory_) return;
-  if (evicted >= 0 &&
-      std::find(file_ahead_.begin(), file_ahead_.end(), evicted) == file_ahead_.end()) {
-    return;
-  }
   reader_->cancel();
+  file_ahead_.clear();
+  file_cursor_ = 0;
+}
+
+bool Engine::Impl::hold_reads(int64_t evicted) {
+  if (!reader_ || !stages_memory_ ||
+      std::find(file_ahead_.begin(), file_ahead_.end(), evicted) == file_ahead_.end()) {
+    return false;
+  }
+  reader_->cancel(); // waits for a copy in flight
+  return true;
+}
+
+void Engine::Impl::resume_reads() {
   for (int64_t b : file_ahead_) reader_->request(b);
 }
 
@@ -182,7 +194,7 @@ StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
     file_ahead_.push_back(block);
     const auto at = std::find(file_order_.begin(), file_order_.end(), block);
     if (at != file_order_.end()) {
-      file_cursor_ = static_cast<std::size_t>(at - file_order_.begin() + 1) % file_order_.size();
+      file_cursor_ = static_cast<std::size_t>(at - file_order_.begin() + 1);
     }
   }
   file_ahead_.pop_front();
@@ -191,11 +203,16 @@ StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
   return staged;
 }
 
+// Reads from the file cycle into the next pass; copies from host memory stop at the pass's
+// end (Note [pageable host memory]): between passes the caller may write those bytes.
 void Engine::Impl::read_ahead() {
   const std::size_t depth = staging_copied_.size();
   while (!file_order_.empty() && file_ahead_.size() < depth) {
-    const int64_t b = file_order_[file_cursor_];
-    file_cursor_ = (file_cursor_ + 1) % file_order_.size();
+    if (file_cursor_ == file_order_.size()) {
+      if (stages_memory_) return; // prepare() starts the next pass's
+      file_cursor_ = 0;
+    }
+    const int64_t b = file_order_[file_cursor_++];
     reader_->request(b);
     file_ahead_.push_back(b);
   }
