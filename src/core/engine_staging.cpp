@@ -14,12 +14,14 @@
 namespace blockswap {
 namespace {
 
+// Once per block list and what it says: an offloader built again over the same blocks says
+// nothing new; another list of that name, or the same one under another cap, says its own.
 void warn_once(const std::string& label, const std::string& text) {
   static std::mutex mutex;
-  static std::set<std::string> warned; // labels
+  static std::set<std::string> warned;
   {
     std::lock_guard lock(mutex);
-    if (!warned.insert(label).second) return;
+    if (!warned.insert(label + '\n' + text).second) return;
   }
   warn(label, text);
 }
@@ -122,8 +124,10 @@ void Engine::Impl::start_staging() {
                           "WARNING: the host copies of ", pageable_blocks, " of ", this->blocks(),
                           " blocks are pageable (the system would not pin them): their loads "
                           "go through ",
-                          staging.size(), " pinned staging buffers of ", slot_bytes_,
-                          " bytes, filled by a reader thread ahead of the copy stream",
+                          staging.size(),
+                          staging.size() == 1 ? " pinned staging buffer of "
+                                              : " pinned staging buffers of ",
+                          slot_bytes_, " bytes, filled by a reader thread ahead of the copy stream",
                           staging_pageable ? "; the staging buffers could not be pinned "
                                              "either, so each load makes the host wait for "
                                              "the copy stream"
