@@ -47,34 +47,26 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
                          options.rotating_slots, options.algorithm};
 }
 
-// The schedules of the modes the engine can be in, the one it starts in first (training, when
-// it supports backward): scarce host memory goes to the blocks they move in that order (the
-// file tier's budget, pinned memory where the system caps it; core/planner.hpp).
-std::vector<Schedule> mode_schedules(std::size_t blocks, const EngineOptions& options) {
+// Where scarce host memory goes first (core/planner.hpp, host_priority): the blocks the mode the
+// engine starts in moves (training, when it supports backward), then those the other mode
+// moves, then the others. The file tier's budget, and pinned memory where the system caps it.
+std::vector<int64_t> host_priority(std::size_t blocks, const EngineOptions& options) {
   std::vector<Schedule> schedules;
   if (options.supports_backward) {
     schedules.emplace_back(schedule_options(blocks, options, Mode::training));
   }
   schedules.emplace_back(schedule_options(blocks, options, Mode::forward_only));
-  return schedules;
-}
-
-std::vector<const Schedule*> pointers(const std::vector<Schedule>& schedules) {
-  std::vector<const Schedule*> out;
-  for (const Schedule& schedule : schedules) out.push_back(&schedule);
-  return out;
-}
-
-std::vector<int64_t> host_priority(std::size_t blocks, const EngineOptions& options) {
-  return blockswap::host_priority(static_cast<int64_t>(blocks),
-                                  pointers(mode_schedules(blocks, options)));
+  std::vector<const Schedule*> pointers;
+  for (const Schedule& schedule : schedules) pointers.push_back(&schedule);
+  return blockswap::host_priority(static_cast<int64_t>(blocks), pointers);
 }
 
 std::vector<bool> blocks_in_file(const std::vector<std::size_t>& bytes,
+                                 const std::vector<int64_t>& priority,
                                  const EngineOptions& options) {
   if (!options.file) return {};
   std::size_t left = options.file->host_budget_bytes;
-  return file_tier(bytes, pointers(mode_schedules(bytes.size(), options)), left);
+  return file_tier(bytes, priority, left);
 }
 
 } // namespace
@@ -86,7 +78,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       is_forward_only_(!options_.supports_backward),
       priority_((check_backend(backend_, label_), host_priority(block_bytes.size(), options_))),
       store_(backend_, block_bytes, options_.trainable_bytes, options_.host_memory, label_,
-             blocks_in_file(block_bytes, options_), priority_) {
+             blocks_in_file(block_bytes, priority_, options_), priority_) {
   BLOCKSWAP_CHECK(!(store_.caller_memory() || options_.file) ||
                       options_.algorithm != Algorithm::seed,
                   "[", label_,

@@ -325,10 +325,9 @@ std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* con
 }
 
 std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
-                            std::span<const Schedule* const> schedules,
-                            std::size_t& host_budget_left) {
+                            std::span<const int64_t> priority, std::size_t& host_budget_left) {
   std::vector<bool> from_file(block_bytes.size(), true);
-  for (int64_t b : host_priority(static_cast<int64_t>(block_bytes.size()), schedules)) {
+  for (int64_t b : priority) {
     const auto i = static_cast<std::size_t>(b);
     if (block_bytes[i] > host_budget_left) continue;
     host_budget_left -= block_bytes[i];

@@ -44,6 +44,28 @@ void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0
   }
 }
 
+// A pass forward over blocks [0, `end`), and one backward in `order` (default: the reverse), each
+// block checked on the device as expect_on_device does.
+void forward(Engine& engine, std::size_t trainable = 0, int version = 0, int64_t end = -1) {
+  for (int64_t b = 0; b < (end < 0 ? engine.blocks() : end); ++b) {
+    engine.enter(b);
+    expect_on_device(engine, b, trainable, version);
+    engine.leave(b);
+  }
+}
+
+void backward(Engine& engine, std::size_t trainable = 0, int version = 0,
+              std::vector<int64_t> order = {}) {
+  if (order.empty()) {
+    for (int64_t b = engine.blocks() - 1; b >= 0; --b) order.push_back(b);
+  }
+  for (int64_t b : order) {
+    engine.wait_for_block(b);
+    expect_on_device(engine, b, trainable, version);
+    engine.after_backward(b);
+  }
+}
+
 TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
   // Inference, K 3: blocks 0..4 move. 3 blocks' worth pins: blocks 0..2 first, then the ring's
   // two buffers take 2's and 1's.
@@ -76,16 +98,8 @@ TEST(PageableHostMemory, PinnedMemoryGoesToTheBlocksThatMove) {
   for (int step = 0; step < 2; ++step) {
     if (step == 1) engine.reset_stats(); // the first prepare staged the blocks that stay
     engine.prepare();
-    for (int64_t b = 0; b < 8; ++b) {
-      engine.enter(b);
-      expect_on_device(engine, b);
-      engine.leave(b);
-    }
-    for (int64_t b = 7; b >= 0; --b) {
-      engine.wait_for_block(b);
-      expect_on_device(engine, b);
-      engine.after_backward(b);
-    }
+    forward(engine);
+    backward(engine);
   }
   engine.synchronize();
   EXPECT_EQ(engine.stats().staged_bytes, 0u);
@@ -104,13 +118,7 @@ TEST(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
       Engine engine(device, std::vector<std::size_t>(8, kBytes), options);
       fill(engine);
       engine.prepare();
-      for (int pass = 0; pass < 3; ++pass) {
-        for (int64_t b = 0; b < 8; ++b) {
-          engine.enter(b);
-          expect_on_device(engine, b);
-          engine.leave(b);
-        }
-      }
+      for (int pass = 0; pass < 3; ++pass) forward(engine);
       engine.synchronize();
       EXPECT_EQ(device->pageable_copies(), 0u);
       EXPECT_GT(engine.stats().staged_bytes, 0u);
@@ -124,11 +132,7 @@ TEST(PageableHostMemory, AllPinnedStagesNothing) {
   Engine engine(device, std::vector<std::size_t>(8, kBytes), {.blocks_to_swap = 3});
   fill(engine);
   engine.prepare();
-  for (int64_t b = 0; b < 8; ++b) {
-    engine.enter(b);
-    expect_on_device(engine, b);
-    engine.leave(b);
-  }
+  forward(engine);
   engine.synchronize();
   EXPECT_EQ(engine.stats().staged_bytes, 0u);
   EXPECT_EQ(device->pageable_copies(), 0u);
@@ -153,7 +157,7 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
     std::vector<int> version(kBlocks, 0);
     for (int step = 1; step <= 3; ++step) {
       engine.prepare();
-      for (int64_t b = 0; b < kBlocks; ++b) {
+      for (int64_t b = 0; b < kBlocks; ++b) { // each block at its own version
         engine.enter(b);
         expect_on_device(engine, b, kTrainable, version[b]);
         engine.leave(b);
@@ -169,11 +173,7 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
       }
     }
     engine.prepare(); // the last step's changes come back with the next loads
-    for (int64_t b = 0; b < kBlocks; ++b) {
-      engine.enter(b);
-      expect_on_device(engine, b, kTrainable, 3);
-      engine.leave(b);
-    }
+    forward(engine, kTrainable, 3);
     engine.synchronize();
     const uint64_t write_backs = engine.stats().d2h_bytes / (kTrainable * sizeof(float));
     EXPECT_GT(engine.stats().staged_bytes, 0u);
@@ -197,16 +197,8 @@ TEST(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
       fill(engine);
       for (int version = 0; version < 4; ++version) {
         engine.prepare();
-        for (int64_t b = 0; b < kBlocks; ++b) {
-          engine.enter(b);
-          expect_on_device(engine, b, kFloats, version);
-          engine.leave(b);
-        }
-        for (int64_t b = kBlocks - 1; train && b >= 0; --b) {
-          engine.wait_for_block(b);
-          expect_on_device(engine, b, kFloats, version);
-          engine.after_backward(b);
-        }
+        forward(engine, kFloats, version);
+        if (train) backward(engine, kFloats, version);
         engine.synchronize();
         for (int64_t b = 0; b < kBlocks; ++b) { // the step's end: a weight changes
           auto* host = reinterpret_cast<float*>(engine.host_data(b));
@@ -232,32 +224,16 @@ TEST(PageableHostMemory, UnforeseenOrdersStayExact) {
                  .trainable_bytes = std::vector<std::size_t>(6, 0)});
   fill(engine);
   engine.prepare();
-  for (int64_t b = 0; b < 3; ++b) { // stopped early
-    engine.enter(b);
-    expect_on_device(engine, b);
-    engine.leave(b);
-  }
+  forward(engine, 0, 0, 3); // stopped early
   engine.set_forward_only(true);
   for (int pass = 0; pass < 2; ++pass) {
     engine.prepare();
-    for (int64_t b = 0; b < 6; ++b) {
-      engine.enter(b);
-      expect_on_device(engine, b);
-      engine.leave(b);
-    }
+    forward(engine);
   }
   engine.set_forward_only(false);
   engine.prepare();
-  for (int64_t b = 0; b < 6; ++b) {
-    engine.enter(b);
-    expect_on_device(engine, b);
-    engine.leave(b);
-  }
-  for (int64_t b : {5, 3, 4, 2, 1, 0}) { // backward out of order
-    engine.wait_for_block(b);
-    expect_on_device(engine, b);
-    engine.after_backward(b);
-  }
+  forward(engine);
+  backward(engine, 0, 0, {5, 3, 4, 2, 1, 0}); // out of order
   engine.synchronize();
   EXPECT_EQ(device->pageable_copies(), 0u);
 }

@@ -67,7 +67,9 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
     for (std::size_t i = 0; i < schedules.size(); ++i) {
       const std::size_t before = left;
       const Schedule* schedule = &schedules[i];
-      timings[i].from_file = file_tier(timings[i].bytes, {&schedule, 1}, left);
+      timings[i].from_file = file_tier(
+          timings[i].bytes,
+          host_priority(static_cast<int64_t>(timings[i].bytes.size()), {&schedule, 1}), left);
       p.host_bytes += before - left;
       std::vector<int64_t> loads(timings[i].bytes.size(), 0);
       for (const Op& op : schedule->pass()) {

@@ -76,12 +76,10 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
 std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* const> schedules);
 
 // The file tier (DESIGN.md, "Tiers"): per block, whether its bytes are read from the model's file
-// for each load. The blocks that a pass of `schedules[0]` loads by a move are held in host memory
-// while `host_budget_left` lasts, in block order (their bytes taken from it), then those of
-// `schedules[1]` (the other mode's), then the blocks that never move; the others stay in the file
-// (a block that never moves is read once, when first placed).
+// for each load. The blocks are held in host memory in `priority` order (host_priority) while
+// `host_budget_left` lasts (their bytes taken from it); the others stay in the file (a block
+// that never moves is read once, when first placed).
 std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
-                            std::span<const Schedule* const> schedules,
-                            std::size_t& host_budget_left);
+                            std::span<const int64_t> priority, std::size_t& host_budget_left);
 
 } // namespace blockswap
