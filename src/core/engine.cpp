@@ -216,7 +216,9 @@ void Engine::prepare() {
   if (!placed) return;
   impl_->synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
-    if (impl_->blocks_[b].slot >= 0 && !impl_->blocks_[b].ready) impl_->mark_ready(b);
+    if (impl_->blocks_[b].slot < 0 || impl_->blocks_[b].ready) continue;
+    impl_->finish_read(b);
+    impl_->mark_ready(b);
   }
   if (static_cast<int64_t>(impl_->slots_.size()) > needed) impl_->release_empty_slots();
 }
@@ -247,6 +249,7 @@ void Engine::Impl::wait_locked(int64_t block) {
     return;
   }
   const auto start = Clock::now();
+  finish_read(block); // Note [the file tier]: its read done, or its failure raised
   const bool device_timed = !current().host_waits() && backend_->times_events();
   try {
     if (current().host_waits()) {
@@ -423,6 +426,7 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   slot.block = -1;
   state.slot = -1;
   state.ready = false;
+  state.read = {}; // loaded and never computed: its read, if any, is no longer waited for
   if (settle && store_.pending(block)) commit(block);
 }
 
@@ -466,6 +470,7 @@ void Engine::Impl::forget_unready_loads() {
     if (state.slot >= 0 && !state.ready) {
       slots_[state.slot].block = -1;
       state.slot = -1;
+      state.read = {};
     }
   }
 }

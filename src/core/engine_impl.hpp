@@ -40,6 +40,7 @@ struct Engine::Impl {
     int64_t replaced = -1;           // for debug lines: the block its load evicted
     Clock::time_point submitted;
     const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
+    StagingReader::Staged read;          // its load's read from the file, not yet waited for
   };
   struct SlotState {
     std::shared_ptr<Buffer> memory;
@@ -75,7 +76,9 @@ struct Engine::Impl {
   bool hold_reads(int64_t evicted); // true: resume_reads() after the eviction
   void resume_reads();
   void load_staged(int64_t block, std::byte* slot);
-  StagingReader::Staged take_from_file(int64_t block);
+  // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
+  StagingReader::Staged take_from_file(int64_t block, bool wait);
+  void finish_read(int64_t block); // before the block is ready: its read's failure, if any
   void read_ahead();
   void forget_unready_loads();
   // Called in a catch block with the copy's error: rethrows it, or an Error naming the
@@ -113,9 +116,7 @@ struct Engine::Impl {
   mutable std::vector<StallTimer> spare_timers_;
   mutable Stats stats_;
   mutable std::mutex mutex_;
-  // The file tier: each staging buffer's event (recorded after the copy out of it), then the
-  // reader, which waits on them from its thread (so it goes first).
-  std::vector<std::pair<const Buffer*, std::unique_ptr<Event>>> staging_copied_;
+  std::size_t staging_depth_ = 0;   // the file tier's staging buffers: read-ahead's depth
   std::vector<bool> staged_;        // per block: loaded through the staging ring
   bool stages_memory_ = false;      // some of them from pageable host memory
   std::vector<int64_t> file_order_; // the staged blocks a pass of the current schedule loads

@@ -103,7 +103,6 @@ void Engine::Impl::start_staging() {
       staged_[block] = true; // pinned or not, it is not used again for the ring
     }
     staging.push_back(std::make_shared<Buffer>(std::move(buffer)));
-    staging_copied_.emplace_back(staging.back().get(), backend_->make_event());
   }
   const int64_t pageable_blocks = count_staged().second;
   stages_memory_ = pageable_blocks > 0;
@@ -137,6 +136,7 @@ void Engine::Impl::start_staging() {
                       "caps pinning): each load from the file makes the host wait for the copy "
                       "stream");
   }
+  staging_depth_ = staging.size();
   reader_ = backend_->make_staging_reader(StagingSpec{
       options_.file ? options_.file->path : std::string(), std::move(blocks), std::move(staging),
       label_, options_.file ? options_.file->bypass : CacheBypass::direct});
@@ -190,7 +190,7 @@ void Engine::Impl::expect_loads(const std::vector<int64_t>& blocks) {
   file_cursor_ = 0; // then the pass
 }
 
-StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
+StagingReader::Staged Engine::Impl::take_from_file(int64_t block, bool wait) {
   if (file_ahead_.empty() || file_ahead_.front() != block) { // Note [the file tier]
     reader_->cancel();
     file_ahead_.clear();
@@ -202,7 +202,7 @@ StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
     }
   }
   file_ahead_.pop_front();
-  StagingReader::Staged staged = reader_->next(); // rethrows the read's failure
+  StagingReader::Staged staged = wait ? reader_->next() : reader_->take(); // next() rethrows
   read_ahead();
   return staged;
 }
@@ -210,8 +210,7 @@ StagingReader::Staged Engine::Impl::take_from_file(int64_t block) {
 // Reads from the file cycle into the next pass; copies from host memory stop at the pass's
 // end (Note [pageable host memory]): between passes the caller may write those bytes.
 void Engine::Impl::read_ahead() {
-  const std::size_t depth = staging_copied_.size();
-  while (!file_order_.empty() && file_ahead_.size() < depth) {
+  while (!file_order_.empty() && file_ahead_.size() < staging_depth_) {
     if (file_cursor_ == file_order_.size()) {
       if (stages_memory_) return; // prepare() starts the next pass's
       file_cursor_ = 0;
@@ -222,12 +221,18 @@ void Engine::Impl::read_ahead() {
   }
 }
 
+// Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
+// stream, and the host goes on; it waits for the read only when the block is about to be
+// computed (finish_read), where a failed read is raised. A block from pageable host memory is
+// copied into its staging buffer before the host goes on: its bytes may change once the pass
+// is over, and its trainable bytes are added by the host.
 void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
+  const bool in_file = store_.in_file(block);
   StagingReader::Staged staged;
   try {
-    staged = take_from_file(block);
+    staged = take_from_file(block, !in_file);
   } catch (...) {
-    if (listener_ != nullptr && store_.in_file(block)) listener_->on_file_failed();
+    if (listener_ != nullptr && in_file) listener_->on_file_failed();
     throw;
   }
   const std::size_t bytes = store_.bytes(block);
@@ -244,15 +249,33 @@ void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
     std::memcpy(staged.buffer->data() + store_.frozen_bytes(block),
                 store_.load_source(block).trainable, trainable);
   }
-  backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
-  Event* copied = nullptr;
-  for (auto& [buffer, event] : staging_copied_) {
-    if (buffer == staged.buffer.get()) copied = event.get();
+  // A fresh event, the reader's (StagingReader::release): the next copy out of this buffer may
+  // be enqueued before the read into it that waits for this one.
+  std::shared_ptr<Event> copied;
+  try {
+    copied = backend_->make_event();
+    if (in_file) reader_->copy_after(staged);
+    backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
+    backend_->record(*copied, Stream::copy);
+  } catch (...) {
+    reader_->release(staged); // not copied from: free once its read is done
+    throw;
   }
-  BLOCKSWAP_ASSERT(copied != nullptr, "a staging buffer the engine did not make");
-  backend_->record(*copied, Stream::copy);
-  reader_->release(staged, copied);
-  (store_.in_file(block) ? stats_.disk_bytes : stats_.staged_bytes) += bytes;
+  reader_->release(staged, std::move(copied));
+  if (in_file) blocks_[block].read = std::move(staged);
+  (in_file ? stats_.disk_bytes : stats_.staged_bytes) += bytes;
+}
+
+void Engine::Impl::finish_read(int64_t block) {
+  BlockState& state = blocks_[block];
+  if (!state.read.read) return;
+  const StagingReader::Staged read = std::exchange(state.read, {});
+  try {
+    reader_->wait(read);
+  } catch (...) {
+    if (listener_ != nullptr) listener_->on_file_failed();
+    copy_failed(std::current_exception()); // the block's load, and those after it, are forgotten
+  }
 }
 
 } // namespace blockswap

@@ -112,114 +112,153 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
 
 FileReader::~FileReader() {
   {
-    std::lock_guard lock(mutex_);
+    std::lock_guard lock(shared_->mutex);
     stopping_ = true;
   }
-  changed_.notify_all();
+  shared_->changed.notify_all();
   thread_.join();
   if (fd_ >= 0) ::close(fd_);
+}
+
+StagingReader::Staged StagingReader::next() {
+  const Staged staged = take();
+  try {
+    wait(staged);
+  } catch (...) {
+    release(staged);
+    throw;
+  }
+  return staged;
+}
+
+void FileReader::give_buffers() {
+  for (const std::shared_ptr<Read>& read : reads_) {
+    if (free_.empty()) return;
+    if (read->into.buffer) continue;
+    read->into = std::move(free_.front());
+    free_.pop_front();
+  }
 }
 
 void FileReader::request(int64_t block) {
   BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
                   " is out of range for the file tier's ", blocks(), " blocks");
   {
-    std::lock_guard lock(mutex_);
-    requests_.push_back(Request{block, nullptr, false, nullptr});
+    std::lock_guard lock(shared_->mutex);
+    auto read = std::make_shared<Read>();
+    read->block = block;
+    reads_.push_back(std::move(read));
+    give_buffers();
   }
-  changed_.notify_all();
+  shared_->changed.notify_all();
 }
 
-FileReader::Staged FileReader::next() {
-  std::unique_lock lock(mutex_);
-  BLOCKSWAP_CHECK(!requests_.empty(), "[", label_, "] next() with no block requested");
-  changed_.wait(lock, [&] { return requests_.front().done; });
-  Request request = std::move(requests_.front());
-  requests_.pop_front();
-  if (request.failure) {
-    if (request.buffer) free_.push_back(Free{std::move(request.buffer), {}});
-    lock.unlock();
-    changed_.notify_all();
-    std::rethrow_exception(request.failure);
-  }
-  return Staged{request.block, std::move(request.buffer)};
+StagingReader::Staged FileReader::take() {
+  std::lock_guard lock(shared_->mutex);
+  const auto it = std::find_if(reads_.begin(), reads_.end(),
+                               [](const std::shared_ptr<Read>& r) { return !r->taken; });
+  BLOCKSWAP_CHECK(it != reads_.end(), "[", label_, "] take() with no block requested");
+  const std::shared_ptr<Read> read = *it;
+  BLOCKSWAP_CHECK(read->into.buffer != nullptr, "[", label_,
+                  "] every staging buffer is held: release() blocks before taking more");
+  read->taken = true;
+  if (read->done) reads_.erase(it);
+  return Staged{read->block, read->into.buffer, read};
 }
 
-void FileReader::release(const Staged& staged, const Event* copied) {
+void FileReader::copy_after(const Staged& staged) {
+  BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_,
+                  "] the file reader was given no backend to order a copy with");
+  backend_->wait_host(Stream::copy, [shared = shared_, read = staged.read] {
+    const auto* r = static_cast<const Read*>(read.get());
+    std::unique_lock lock(shared->mutex);
+    shared->changed.wait(lock, [&] { return r->done; });
+  });
+}
+
+void FileReader::wait(const Staged& staged) {
+  const auto* read = static_cast<const Read*>(staged.read.get());
+  BLOCKSWAP_CHECK(read != nullptr, "[", label_, "] wait() for a block take() did not give");
+  std::unique_lock lock(shared_->mutex);
+  shared_->changed.wait(lock, [&] { return read->done; });
+  if (read->failure) std::rethrow_exception(read->failure);
+}
+
+void FileReader::release(const Staged& staged, std::shared_ptr<const Event> copied) {
   if (!staged.buffer) return;
   BLOCKSWAP_CHECK(copied == nullptr || backend_ != nullptr, "[", label_,
                   "] the file reader was given no backend to wait for a copy with");
   std::function<void()> wait;
-  if (copied != nullptr) wait = [backend = backend_, copied] { backend->synchronize(*copied); };
-  {
-    std::lock_guard lock(mutex_);
-    free_.push_back(Free{staged.buffer, std::move(wait)});
+  if (copied != nullptr) {
+    wait = [backend = backend_, copied = std::move(copied)] { backend->synchronize(*copied); };
   }
-  changed_.notify_all();
+  {
+    std::lock_guard lock(shared_->mutex);
+    free_.push_back(Free{staged.buffer, std::move(wait)});
+    give_buffers();
+  }
+  shared_->changed.notify_all();
 }
 
 void FileReader::cancel() {
-  std::unique_lock lock(mutex_);
-  changed_.wait(lock, [&] {
-    return std::none_of(requests_.begin(), requests_.end(),
-                        [](const Request& r) { return r.buffer && !r.done; });
+  std::unique_lock lock(shared_->mutex);
+  shared_->changed.wait(lock, [&] { return reading_ == nullptr || reading_->taken; });
+  std::deque<Free> freed; // they were to be given first, and are again
+  std::erase_if(reads_, [&](const std::shared_ptr<Read>& r) {
+    if (r->taken) return false;
+    if (r->into.buffer) freed.push_back(std::move(r->into));
+    return true;
   });
-  for (Request& r : requests_) {
-    if (r.buffer) free_.push_back(Free{std::move(r.buffer), {}});
-  }
-  requests_.clear();
+  free_.insert(free_.begin(), std::make_move_iterator(freed.begin()),
+               std::make_move_iterator(freed.end()));
 }
 
 uint64_t FileReader::bytes_read() const {
-  std::lock_guard lock(mutex_);
+  std::lock_guard lock(shared_->mutex);
   return bytes_read_;
 }
 
+// Reads in the order asked, each once its buffer is free. Stopping, the blocks already taken are
+// still read: the copy stream may wait for them.
 void FileReader::run() {
-  std::unique_lock lock(mutex_);
+  std::unique_lock lock(shared_->mutex);
   while (true) {
-    // The first request not yet read, and a free buffer for it.
-    Request* request = nullptr;
-    changed_.wait(lock, [&] {
-      if (stopping_) return true;
-      request = nullptr;
-      for (Request& r : requests_) {
-        if (!r.done) {
-          request = &r;
+    std::shared_ptr<Read> read;
+    shared_->changed.wait(lock, [&] {
+      read = nullptr;
+      for (const std::shared_ptr<Read>& r : reads_) {
+        if (!r->done) {
+          read = r;
           break;
         }
       }
-      return request != nullptr && !free_.empty();
+      if (stopping_) return true;
+      return read != nullptr && read->into.buffer != nullptr;
     });
-    if (stopping_) return;
-    Free taken = std::move(free_.front()); // released first: its copy ends first
-    free_.erase(free_.begin());
-    const std::shared_ptr<Buffer> buffer = taken.buffer;
-    request->buffer = buffer;
-    const int64_t block = request->block;
+    if (read == nullptr || read->into.buffer == nullptr || (stopping_ && !read->taken)) return;
+    reading_ = read.get();
+    const std::function<void()> copied = std::exchange(read->into.copied, {});
+    std::byte* const into = read->into.buffer->data();
+    const int64_t block = read->block;
     lock.unlock();
     std::exception_ptr failure;
     try {
-      if (taken.copied) taken.copied(); // the copy out of this buffer is done
+      if (copied) copied(); // the copy out of this buffer is done
       if (blocks_[block].memory != nullptr) {
-        copy_block(block, buffer->data());
+        copy_block(block, into);
       } else {
-        read_block(block, buffer->data());
+        read_block(block, into);
       }
     } catch (...) {
       failure = std::current_exception();
     }
     lock.lock();
-    // The deque may have grown, never shrunk past an undone request: find it again.
-    for (Request& r : requests_) {
-      if (!r.done && r.buffer == buffer) {
-        r.done = true;
-        r.failure = failure;
-        break;
-      }
-    }
+    read->done = true;
+    read->failure = failure;
+    reading_ = nullptr;
+    if (read->taken) std::erase(reads_, read);
     if (!failure) bytes_read_ += blocks_[block].bytes;
-    changed_.notify_all();
+    shared_->changed.notify_all();
   }
 }
 

@@ -316,8 +316,20 @@ std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* con
     for (const Op& op : schedule->pass()) {
       if (op.kind == Op::Kind::move) moved[static_cast<std::size_t>(op.move.in)] = true;
     }
+    std::vector<int64_t> in_order; // moved, in block order
     for (int64_t b = 0; b < blocks; ++b) {
-      if (moved[static_cast<std::size_t>(b)]) add(b);
+      if (moved[static_cast<std::size_t>(b)]) in_order.push_back(b);
+    }
+    // Spread: every prefix of the order is spaced evenly over the moved blocks (bit-reversed
+    // positions), so that the blocks left in the file alternate with blocks held, and the disk
+    // reads ahead while the link copies held blocks instead of reading a run of them in turn.
+    const auto m = static_cast<uint64_t>(in_order.size());
+    int bits = 0;
+    while ((uint64_t{1} << bits) < m) ++bits;
+    for (uint64_t i = 0; i < (uint64_t{1} << bits); ++i) {
+      uint64_t reversed = 0;
+      for (int bit = 0; bit < bits; ++bit) reversed |= ((i >> bit) & 1) << (bits - 1 - bit);
+      if (reversed < m) add(in_order[reversed]);
     }
   }
   for (int64_t b = 0; b < blocks; ++b) add(b);

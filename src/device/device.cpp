@@ -151,6 +151,9 @@ public:
   void record(Event& event, Stream stream) override { state_->backend->record(event, stream); }
   void wait(Stream stream, const Event& event) override { state_->backend->wait(stream, event); }
   void synchronize(const Event& event) override { state_->backend->synchronize(event); }
+  void wait_host(Stream stream, std::function<void()> until) override {
+    state_->backend->wait_host(stream, std::move(until));
+  }
 
   MemoryStats memory() const override {
     MemoryStats stats = state_->backend->memory();

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <random>
 #include <vector>
@@ -147,6 +148,45 @@ TEST(Planner, SizesTooLargeToAddUpAreErrors) {
   // Large but real: 12 lists of 100 blocks of 4 GB plan.
   const std::vector<std::vector<std::size_t>> big(12, std::vector<std::size_t>(100, 4'000'000'000));
   EXPECT_NO_THROW(plan_swaps(big, std::size_t{2'000'000'000'000}, Mode::training));
+}
+
+// Scarce host memory goes to the moved blocks first, spread over them so that every prefix of
+// the order (every host budget) leaves the blocks read from the file between blocks held: the
+// disk reads ahead while the link copies held blocks.
+TEST(Planner, HostPriorityGivesTheMovedBlocksFirstSpreadEvenly) {
+  const Schedule training(
+      ScheduleOptions{.blocks = 10, .blocks_to_swap = 8, .mode = Mode::training});
+  const Schedule* schedules[] = {&training};
+  std::vector<bool> moved(10, false);
+  for (const Op& op : training.pass()) {
+    if (op.kind == Op::Kind::move) moved[op.move.in] = true;
+  }
+  const std::vector<int64_t> order = host_priority(10, schedules);
+  ASSERT_EQ(order.size(), 10u);
+  std::vector<int64_t> moved_blocks;
+  for (int64_t b = 0; b < 10; ++b) {
+    if (moved[b]) moved_blocks.push_back(b);
+  }
+  const auto m = static_cast<int64_t>(moved_blocks.size());
+  ASSERT_GE(m, 4);
+  for (int64_t i = 0; i < m; ++i) EXPECT_TRUE(moved[order[i]]) << "place " << i;
+  for (int64_t i = m; i < 10; ++i) EXPECT_FALSE(moved[order[i]]) << "place " << i;
+  // Each prefix of the moved blocks: no two adjacent moved blocks both left out while a gap of
+  // more than ceil(m / prefix) moved blocks separates two held ones.
+  for (int64_t prefix = 1; prefix <= m; ++prefix) {
+    std::vector<int64_t> held_positions;
+    for (int64_t i = 0; i < prefix; ++i) {
+      held_positions.push_back(std::find(moved_blocks.begin(), moved_blocks.end(), order[i]) -
+                               moved_blocks.begin());
+    }
+    std::sort(held_positions.begin(), held_positions.end());
+    held_positions.push_back(m + held_positions.front()); // round the pass
+    const int64_t most = 2 * ((m + prefix - 1) / prefix);
+    for (std::size_t i = 0; i + 1 < held_positions.size(); ++i) {
+      EXPECT_LE(held_positions[i + 1] - held_positions[i], most)
+          << "held " << prefix << " of " << m << " moved blocks";
+    }
+  }
 }
 
 TEST(Planner, TwelveGroupsOfTwelveBlocksPlanInUnderASecond) {

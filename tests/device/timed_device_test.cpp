@@ -264,10 +264,11 @@ TEST(TimedDevice, TwoListsOnOneDeviceAgreeWithTheSimulator) {
 }
 
 // The file tier on the timed device: the disk in series with the link, as the simulator plays
-// it, for disks faster than and as fast as the link, every host budget. A disk slower than the
-// link makes the engine's host wait for a read at the load that needs it (the reader's
-// next()), which the simulator does not model: there the two are held within 10 %
-// (docs/performance.md, "Three tiers on the timed device").
+// it, for disks faster than, as fast as and slower than the link, every host budget (the copy
+// waits for the read on the copy stream, the host only where the block is computed: neither
+// the engine nor the simulator lets a read hold back the host's enqueueing). With a disk slower
+// than the link the simulator is up to 2.6 % slower than the engine in training: the step is
+// held within 2 % above it and 3 % below.
 TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
   constexpr int64_t n = 12;
   constexpr std::size_t kBytes = 50'000'000;
@@ -292,8 +293,9 @@ TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
           const std::string what = engine.schedule().describe() + ", disk " +
                                    std::to_string(disk / 1e9) + " GB/s, budget " +
                                    std::to_string(budget_blocks);
-          EXPECT_NEAR(measured.step_seconds / predicted.step_seconds, 1.0,
-                      disk >= link.bytes_per_second ? 0.02 : 0.10)
+          const double ratio = measured.step_seconds / predicted.step_seconds;
+          EXPECT_LE(ratio, 1.02) << what;
+          EXPECT_GE(ratio, disk >= link.bytes_per_second ? 0.98 : 0.97)
               << what << ": measured " << measured.step_seconds << " s, simulated "
               << predicted.step_seconds << " s";
           EXPECT_GE(measured.step_seconds, step_bound(engine.schedule(), timing, link) * (1 - 1e-6))

@@ -136,6 +136,12 @@ public:
   // Blocks the host until `event` has completed; rethrows the error of a copy that failed
   // before it on the copy stream.
   virtual void synchronize(const Event& event) = 0;
+  // Makes later work on `stream` wait until `until` returns: the stream calls it, on a thread
+  // of the backend's, once it gets there, and the host does not wait (the staging ring's copy
+  // waits so for its read, Note [the file tier] in engine_staging.cpp). `until` may block
+  // waiting for another host thread, as long as nothing it waits for is behind it on the
+  // stream; it must not throw, nor call into the backend. Default: the host calls it now.
+  virtual void wait_host(Stream /*stream*/, std::function<void()> until) { until(); }
   // Whether elapsed_seconds can time this backend's events.
   virtual bool times_events() const { return false; }
   // The device time from `start` to `end`, two events recorded on the compute stream, once

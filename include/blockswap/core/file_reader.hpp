@@ -51,23 +51,41 @@ enum class CacheBypass {
 };
 
 // The staging ring's reader as the engine drives it: blocks asked for in order, each given
-// back in a staging buffer, the buffer free again once the copy out of it is done. FileReader
-// reads the file (and pageable memory); the timed device models a disk (device/timed.hpp).
+// back in a staging buffer, the buffer free again once the copy out of it is done. Buffers go
+// to requests in the order asked, each to the block that asks first once it is free, so that
+// take() knows a block's buffer before its read is done: the copy out of it can be enqueued at
+// once, behind a wait for the read on the copy stream (copy_after), and the host goes on.
+// FileReader reads the file (and pageable memory); the timed device models a disk
+// (device/timed.hpp).
 class StagingReader {
 public:
   struct Staged {
     int64_t block = -1;
     std::shared_ptr<Buffer> buffer;
+    std::shared_ptr<void> read; // the reader's record of the read
   };
   virtual ~StagingReader() = default;
   // Asks for block i, after the blocks asked before.
   virtual void request(int64_t block) = 0;
-  // The oldest requested block, once read; rethrows its read's failure.
-  virtual Staged next() = 0;
-  // The buffer of a block next() gave is free again once `copied` (an event recorded on the
-  // copy stream after the copy out of it; null: at once) has completed.
-  virtual void release(const Staged& staged, const Event* copied = nullptr) = 0;
-  // Forgets every requested block next() has not given.
+  // The oldest requested block not yet taken, and the buffer it is read into, without waiting
+  // for the read: its bytes are there once wait() returns, or for the copy stream's work after
+  // copy_after(). A taken block is read even if cancel() follows. Throws Error when no block
+  // is requested, or when every buffer is held by blocks taken and not released.
+  virtual Staged take() = 0;
+  // Makes the copy stream's later work wait for `staged`'s read; the host does not wait.
+  virtual void copy_after(const Staged& staged) = 0;
+  // Blocks the host until `staged`'s read is done; rethrows its failure.
+  virtual void wait(const Staged& staged) = 0;
+  // take() and wait(): the oldest requested block, read. When its read failed, its buffer is
+  // free again and the failure is rethrown.
+  Staged next();
+  // The buffer of a block take() gave is free again once `copied` (an event recorded on the
+  // copy stream after the copy out of it; null: at once) has completed; released before its
+  // read is done, it is read into again only after that read. `copied` is the reader's: it is
+  // not recorded again (the next copy out of the buffer may be enqueued before the read it
+  // waits for, which waits for `copied`).
+  virtual void release(const Staged& staged, std::shared_ptr<const Event> copied = nullptr) = 0;
+  // Forgets every requested block take() has not given.
   virtual void cancel() = 0;
   virtual uint64_t bytes_read() const = 0;
 };
@@ -96,19 +114,19 @@ public:
   FileReader(const FileReader&) = delete;
   FileReader& operator=(const FileReader&) = delete;
 
-  // Asks for block i to be read, after the blocks asked before: as soon as a staging buffer
+  // Asks for block i to be read, after the blocks asked before: as soon as its staging buffer
   // is free, the thread reads it (read-ahead as deep as the ring).
   void request(int64_t block) override;
-
-  // The oldest requested block, once read: its packed bytes at the buffer's start, valid until
-  // release(). Waits for the read; rethrows its failure.
-  Staged next() override;
+  Staged take() override;
+  // Backend::wait_host on the copy stream (the backend given to the constructor).
+  void copy_after(const Staged& staged) override;
+  void wait(const Staged& staged) override;
   // The thread waits for `copied` (Backend::synchronize) before it reads into that buffer
   // again, so that a copy still in flight delays only the read that needs its buffer. A copy
   // that failed fails that read.
-  void release(const Staged& staged, const Event* copied = nullptr) override;
-  // Forgets every requested block next() has not given (the caller's order changed): waits for
-  // a read in flight, and frees their buffers.
+  void release(const Staged& staged, std::shared_ptr<const Event> copied = nullptr) override;
+  // Forgets every requested block take() has not given (the caller's order changed): waits for
+  // a read of one of them in flight, and frees their buffers.
   void cancel() override;
 
   // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
@@ -118,13 +136,24 @@ public:
   const std::string& path() const { return path_; }
 
 private:
-  struct Request {
-    int64_t block;
-    std::shared_ptr<Buffer> buffer; // null until the thread takes a free one
-    bool done = false;
+  struct Free {
+    std::shared_ptr<Buffer> buffer;
+    std::function<void()> copied; // wait for the copy out of it before writing it
+  };
+  // One requested block; shared with the copy stream's wait for it (copy_after).
+  struct Read {
+    int64_t block = -1;
+    Free into; // its buffer, given in the order asked (null until one is free)
+    bool taken = false, done = false;
     std::exception_ptr failure;
   };
+  // What the copy stream's waits share with the reader, which they may outlive.
+  struct Shared {
+    std::mutex mutex;
+    std::condition_variable changed;
+  };
 
+  void give_buffers(); // under the lock: free buffers to the oldest requests without one
   void run();
   void read_block(int64_t block, std::byte* into);
   void copy_block(int64_t block, std::byte* into) const;
@@ -143,14 +172,10 @@ private:
   std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, nullptr};
   std::size_t bounce_bytes_ = 0; // each window's
 
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;
-  struct Free {
-    std::shared_ptr<Buffer> buffer;
-    std::function<void()> copied; // wait for the copy out of it before writing it
-  };
-  std::vector<Free> free_;
-  std::deque<Request> requests_; // in the order asked; next() takes the front
+  const std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+  std::deque<Free> free_;                   // in the order they are given out
+  std::deque<std::shared_ptr<Read>> reads_; // asked, not yet both read and taken, in order
+  const Read* reading_ = nullptr;           // the thread's, while it reads
   uint64_t bytes_read_ = 0;
   bool stopping_ = false;
   std::thread thread_;

@@ -49,6 +49,8 @@ public:
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
+  // cudaLaunchHostFunc: a CUDA thread calls `until` and the stream waits for it to return.
+  void wait_host(Stream stream, std::function<void()> until) override;
   void synchronize(const Event& event) override;
   bool times_events() const override { return true; }
   std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override;

@@ -47,6 +47,7 @@ public:
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
+  void wait_host(Stream stream, std::function<void()> until) override;
   void synchronize(const Event& event) override;
   MemoryStats memory() const override;
 

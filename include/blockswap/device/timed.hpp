@@ -21,8 +21,9 @@
 // The file tier's disk is modelled too (make_staging_reader): a block read from the file
 // occupies the disk for LinkModel::disk_seconds(bytes), reads one after another in the order
 // asked, each starting once it is asked for, the disk is free and a staging buffer is (the copy
-// out of its last block ended); the host waits in next() until its block is read, as the
-// engine's thread waits for the reader.
+// out of its last block ended). The copy out of a block waits for its read on the copy stream
+// (copy_after), and the host waits for it (wait) only when the block is about to be computed,
+// as on a GPU.
 #pragma once
 
 #include <cstddef>
@@ -74,6 +75,9 @@ public:
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
+  // The stream calls `until` and goes on; device time does not move (the disk's reads are
+  // modelled by the staging reader, below).
+  void wait_host(Stream stream, std::function<void()> until) override;
   void synchronize(const Event& event) override;
   bool times_events() const override { return true; }
   std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <type_traits>
 
@@ -12,6 +13,12 @@
 
 namespace blockswap {
 namespace {
+
+// Note [a stream waiting for the host] (CudaDevice::wait_host).
+void CUDART_CB run_host_function(void* data) {
+  const std::unique_ptr<std::function<void()>> call(static_cast<std::function<void()>*>(data));
+  (*call)();
+}
 
 using cuda::DeviceScope;
 
@@ -270,6 +277,18 @@ void CudaDevice::wait(Stream stream, const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
   BLOCKSWAP_CUDA_CHECK(cudaStreamWaitEvent(state_->stream(stream), e.handle.get(), 0));
+}
+
+// Note [a stream waiting for the host]
+// cudaLaunchHostFunc runs a function on a thread of the CUDA driver once the stream gets there,
+// and the stream's later work waits until it returns. The function may block (the staging
+// ring's copy waits so for the reader thread), but must call no CUDA function; the driver may
+// run the host functions of every stream on one thread, so one that blocks delays the others
+// (blockswap enqueues none elsewhere). It owns its std::function and frees it.
+void CudaDevice::wait_host(Stream stream, std::function<void()> until) {
+  auto call = std::make_unique<std::function<void()>>(std::move(until));
+  BLOCKSWAP_CUDA_CHECK(cudaLaunchHostFunc(state_->stream(stream), &run_host_function, call.get()));
+  call.release(); // run_host_function frees it
 }
 
 void CudaDevice::synchronize(const Event& event) {

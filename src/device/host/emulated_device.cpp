@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -34,7 +35,7 @@ public:
 };
 
 struct Task {
-  enum class Kind { copy, poison, wait, record };
+  enum class Kind { copy, poison, wait, record, host };
   Kind kind = Kind::copy;
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;
@@ -44,7 +45,8 @@ struct Task {
   bool to_device = true;
   int64_t tag = -1;
   bool throws = false;
-  std::size_t fail_after = 0; // with `fail`: the bytes copied before the failure
+  std::size_t fail_after = 0;            // with `fail`: the bytes copied before the failure
+  std::function<void()> until = nullptr; // host: Backend::wait_host's
 };
 
 void poison_bytes(std::byte* data, std::size_t bytes) {
@@ -123,6 +125,11 @@ struct EmulatedDevice::State {
       task.mark->error = std::exchange(pending_error, nullptr);
       task.mark->done = true;
       changed.notify_all();
+      break;
+    case Task::Kind::host:
+      lock.unlock();
+      task.until();
+      lock.lock();
       break;
     case Task::Kind::poison:
       lock.unlock();
@@ -322,6 +329,17 @@ void EmulatedDevice::wait(Stream stream, const Event& event) {
   const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
   BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
   state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false});
+}
+
+void EmulatedDevice::wait_host(Stream stream, std::function<void()> until) {
+  if (stream == Stream::compute) { // the host is the compute stream
+    until();
+    return;
+  }
+  Task task;
+  task.kind = Task::Kind::host;
+  task.until = std::move(until);
+  state_->enqueue(std::move(task));
 }
 
 void EmulatedDevice::synchronize(const Event& event) {

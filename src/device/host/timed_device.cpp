@@ -9,6 +9,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -35,7 +36,7 @@ public:
 };
 
 struct Task {
-  enum class Kind { busy, wait, record };
+  enum class Kind { busy, wait, record, host };
   Kind kind = Kind::busy;
   double enqueued = 0; // the host's clock when it was enqueued: it cannot start earlier
   double seconds = 0;  // busy
@@ -43,7 +44,8 @@ struct Task {
   bool copy = false; // busy: a copy (else a computation)
   bool to_device = true;
   std::size_t bytes = 0;
-  std::shared_ptr<Mark> mark; // wait, record
+  std::shared_ptr<Mark> mark;  // wait, record
+  std::function<void()> until; // host: Backend::wait_host's
 };
 
 const TimedEvent& timed(const Event& event, uint64_t device) {
@@ -176,6 +178,12 @@ struct TimedDevice::State {
     case Task::Kind::wait:
       stream.free = std::max(start, task.mark->time);
       break;
+    case Task::Kind::host:
+      lock.unlock();
+      task.until();
+      lock.lock();
+      stream.free = start;
+      break;
     case Task::Kind::record:
       stream.free = start;
       task.mark->time = start;
@@ -222,10 +230,12 @@ struct TimedDevice::State {
 
 namespace {
 
-// The modelled disk (timed.hpp), one per device: every engine's reader reads from it. Reads are
-// computed when next() needs them, in the order asked: each starts at the latest of its
-// request, the end of the disk's read before it and the moment a staging buffer is free; the
-// buffer chosen is the one free first.
+// The modelled disk (timed.hpp), one per device: every engine's reader reads from it. A read is
+// computed when take() or cancel() needs it, in the order asked: it starts at the latest of its
+// request, the end of the disk's read before it and the moment its staging buffer is free (the
+// copy out of that buffer's last block ended, which this thread waits for the copy stream to
+// reach: it is ahead of the waits copy_after enqueues). Buffers go to reads in the order they
+// are released, as FileReader gives them.
 class TimedReader final : public StagingReader {
 public:
   TimedReader(std::shared_ptr<TimedDevice::State> state, StagingSpec spec, uint64_t device)
@@ -234,8 +244,8 @@ public:
     BLOCKSWAP_CHECK(state_->options.link.disk_bytes_per_second > 0, "[", label_,
                     "] timed device: the file tier needs the disk's bandwidth "
                     "(LinkModel::disk_bytes_per_second)");
-    for (auto& buffer : spec.staging) ring_.push_back(Slot{std::move(buffer), nullptr, 0, false});
-    BLOCKSWAP_CHECK(!ring_.empty(), "[", label_, "] the file tier needs a staging buffer");
+    for (auto& buffer : spec.staging) free_.push_back(Slot{std::move(buffer), nullptr, 0});
+    BLOCKSWAP_CHECK(!free_.empty(), "[", label_, "] the file tier needs a staging buffer");
   }
 
   void request(int64_t block) override {
@@ -245,24 +255,34 @@ public:
     requests_.push_back(Request{block, state_->host_now_locked()});
   }
 
-  Staged next() override {
-    BLOCKSWAP_CHECK(!requests_.empty(), "[", label_, "] next() with no block requested");
+  Staged take() override {
+    BLOCKSWAP_CHECK(!requests_.empty(), "[", label_, "] take() with no block requested");
+    BLOCKSWAP_CHECK(!free_.empty(), "[", label_,
+                    "] every staging buffer is held: release() blocks before taking more");
     const Request request = requests_.front();
     requests_.pop_front();
-    auto [slot, end] = read(request);
-    slot->held = true;
-    std::lock_guard lock(state_->mutex);
-    state_->host_resumes_locked(end); // the host waited for the read
-    return Staged{request.block, slot->buffer};
+    Slot slot = std::move(free_.front());
+    free_.pop_front();
+    const double end = read(request, slot);
+    return Staged{request.block, slot.buffer, std::make_shared<double>(end)};
   }
 
-  void release(const Staged& staged, const Event* copied) override {
-    for (Slot& slot : ring_) {
-      if (slot.buffer != staged.buffer) continue;
-      slot.held = false;
-      slot.copied = copied ? timed(*copied, device_).mark : nullptr;
-      return;
-    }
+  void copy_after(const Staged& staged) override {
+    Task task;
+    task.kind = Task::Kind::wait;
+    task.mark = std::make_shared<Mark>(Mark{true, end_of(staged)});
+    state_->enqueue(Stream::copy, std::move(task));
+  }
+
+  void wait(const Staged& staged) override {
+    std::lock_guard lock(state_->mutex);
+    state_->host_resumes_locked(end_of(staged)); // the host waited for the read
+  }
+
+  void release(const Staged& staged, std::shared_ptr<const Event> copied) override {
+    if (!staged.buffer) return;
+    free_.push_back(
+        Slot{staged.buffer, copied ? timed(*copied, device_).mark : nullptr, end_of(staged)});
   }
 
   // The reads already under way when the host cancels them finish (the disk is busy for them);
@@ -273,10 +293,15 @@ public:
       std::lock_guard lock(state_->mutex);
       now = state_->host_now_locked();
     }
+    std::deque<Slot> used;
     for (const Request& request : requests_) {
-      if (start_of(request).first > now) break;
-      read(request);
+      if (free_.empty() || start_of(request, free_.front()) > now) break;
+      used.push_back(std::move(free_.front()));
+      free_.pop_front();
+      used.back().free_at = read(request, used.back());
     }
+    free_.insert(free_.begin(), std::make_move_iterator(used.begin()),
+                 std::make_move_iterator(used.end()));
     requests_.clear();
   }
 
@@ -287,12 +312,15 @@ private:
     std::shared_ptr<Buffer> buffer;
     std::shared_ptr<Mark> copied; // the copy out of it (null: free at free_at)
     double free_at = 0;
-    bool held = false;
   };
   struct Request {
     int64_t block;
     double requested;
   };
+
+  static double end_of(const Staged& staged) {
+    return *static_cast<const double*>(staged.read.get());
+  }
 
   // When `slot` is free: the copy out of it ended (waiting for the copy stream to get there).
   double free_time(Slot& slot) {
@@ -300,42 +328,35 @@ private:
       std::unique_lock lock(state_->mutex);
       if (!slot.copied->done) state_->wake_streams();
       state_->marked.wait(lock, [&] { return slot.copied->done; });
-      slot.free_at = slot.copied->time;
+      slot.free_at = std::max(slot.free_at, slot.copied->time);
       slot.copied = nullptr;
     }
     return slot.free_at;
   }
 
-  // Where and when `request`'s read would start.
-  std::pair<double, Slot*> start_of(const Request& request) {
-    Slot* best = nullptr;
-    for (Slot& slot : ring_) {
-      if (!slot.held && (best == nullptr || free_time(slot) < free_time(*best))) best = &slot;
-    }
-    BLOCKSWAP_CHECK(best != nullptr, "[", label_, "] every staging buffer is held");
-    const double buffer_free = free_time(*best);
+  double start_of(const Request& request, Slot& slot) {
+    const double buffer_free = free_time(slot);
     std::lock_guard lock(state_->mutex);
-    return {std::max({state_->disk_free, request.requested, buffer_free}), best};
+    return std::max({state_->disk_free, request.requested, buffer_free});
   }
 
-  std::pair<Slot*, double> read(const Request& request) {
-    const auto [start, slot] = start_of(request);
+  // Reads `request` into `slot`; returns when the read ends.
+  double read(const Request& request, Slot& slot) {
+    const double start = start_of(request, slot);
     const std::size_t bytes = blocks_[request.block].bytes;
     const double seconds = state_->options.link.disk_seconds(bytes);
-    const double end = start + seconds;
-    slot->free_at = end; // read into until then
     bytes_read_ += bytes;
     std::lock_guard lock(state_->mutex);
-    state_->disk_free = end;
+    state_->disk_free = start + seconds;
     state_->disk_busy += seconds;
-    return {slot, end};
+    return start + seconds;
   }
 
   std::shared_ptr<TimedDevice::State> state_;
   std::vector<FileBlock> blocks_;
   std::string label_;
   uint64_t device_;
-  std::vector<Slot> ring_;
+  std::deque<Slot> free_; // in the order they are given out
   std::deque<Request> requests_;
   uint64_t bytes_read_ = 0;
 };
@@ -432,6 +453,13 @@ void TimedDevice::wait(Stream stream, const Event& event) {
   Task task;
   task.kind = Task::Kind::wait;
   task.mark = timed(event, state_->id).mark;
+  state_->enqueue(stream, std::move(task));
+}
+
+void TimedDevice::wait_host(Stream stream, std::function<void()> until) {
+  Task task;
+  task.kind = Task::Kind::host;
+  task.until = std::move(until);
   state_->enqueue(stream, std::move(task));
 }
 
