@@ -219,3 +219,42 @@ def test_parameters_replaced_after_a_build_from_meta_are_the_new_ones(files, tmp
     infer(model, "flux", offloaders)
     model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
     assert_bitwise(infer(model, "flux", offloaders), expected)
+
+
+@pytest.mark.parametrize("how", ["delete", "rename"])
+def test_a_file_deleted_or_renamed_under_the_run_keeps_the_weights(files, tmp_path, how):
+    """The mapped file lives while it is mapped: deleted, the run goes on exactly; renamed, the
+    reader's next read refuses it (changed since opened) with an error that says to build a new
+    offloader.
+    Either way the model's weights keep their values, during the run and after close()."""
+    import os
+    import shutil
+    path = tmp_path / "model.safetensors"
+    shutil.copy(files["flux"], path)
+    expected = [infer(build("flux"), "flux", seed=s) for s in (1, 2, 3, 4)]
+    model = build("flux")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=path,
+                      host_budget_bytes=0)
+    assert_bitwise(infer(model, "flux", offloaders, seed=1), expected[0])
+    if how == "delete":
+        os.unlink(path)
+        assert_bitwise(infer(model, "flux", offloaders, seed=2), expected[1])
+    else:
+        os.rename(path, tmp_path / "moved.safetensors")
+        # Blocks read ahead before the rename still run; the first read after it raises.
+        with pytest.raises(blockswap.Error, match="build a new offloader"):
+            for s in (2, 3, 4):
+                assert_bitwise(infer(model, "flux", offloaders, seed=s), expected[s - 1])
+    for o in offloaders:
+        o.close()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[n]), n
+
+
+def test_a_file_that_is_not_a_regular_file_is_named_at_once(files, tmp_path):
+    import os
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)  # opening it to read would wait for a writer
+    with pytest.raises(blockswap.Error, match="is not a regular file"):
+        swap(build("flux"), "flux", 2, weights_file=fifo, host_budget_bytes=0)

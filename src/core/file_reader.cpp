@@ -74,16 +74,19 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
     return;
   }
   if (bypass == CacheBypass::direct) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);
     direct_ = fd_ >= 0;
   }
-  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO would wait for a writer; regular files read as without it.
+  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   BLOCKSWAP_CHECK(fd_ >= 0, "[", label_, "] cannot open '", path_, "': ", std::strerror(errno));
   struct stat s {};
-  if (::fstat(fd_, &s) != 0) {
-    const int error = errno;
+  const bool stated = ::fstat(fd_, &s) == 0;
+  if (!stated || !S_ISREG(s.st_mode)) {
+    const int error = stated ? 0 : errno;
     ::close(fd_);
-    throw Error(detail::concat("[", label_, "] cannot stat '", path_, "': ", std::strerror(error)));
+    throw Error(detail::concat("[", label_, "] cannot read blocks from '", path_,
+                               "': ", error != 0 ? std::strerror(error) : "not a regular file"));
   }
   size_ = static_cast<uint64_t>(s.st_size);
   modified_ns_ = ns(s.st_mtim);
@@ -287,8 +290,9 @@ void FileReader::check_unchanged(int64_t block) const {
   BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && !modified, "[", label_, "] '", path_,
                   "' changed while blockswap reads blocks from it (", size_, " bytes when opened, ",
                   s.st_size, " now", modified ? ", modified since" : "", ") before block ", block,
-                  " was read: the host copy cannot be trusted; "
-                  "restore the file, or load the model into host memory");
+                  " was read: the blocks it holds cannot be trusted, and this offloader reads "
+                  "no more from it; restore the file and build a new offloader (close() this "
+                  "one), or load the model into host memory");
 }
 
 // Reads `bytes` of the file from `offset` into `into` (fewer at the end of the file); a read

@@ -24,7 +24,7 @@ at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
   // the block's trainable bytes are now.
   if (t.role == Role::frozen && in_file(block)) {
     if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
-    return view(file_map_, t.file_offset, t, at::kCPU);
+    return view(file_map_.bytes, t.file_offset, t, at::kCPU);
   }
   if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
   const HostRegion& trainable = trainable_hosts_[block];
@@ -55,7 +55,7 @@ void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data,
 // inference tensor, which autograd refuses to save; the module's tensors must stay normal
 // ones, so every view is made with inference mode off.
 
-void BlockBinder::use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
+void BlockBinder::use_file(FileMap map, std::vector<bool> in_file,
                            std::function<void(int64_t, std::byte*)> read, std::string path) {
   file_map_ = std::move(map);
   in_file_ = std::move(in_file);
@@ -64,10 +64,10 @@ void BlockBinder::use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_fil
 }
 
 void BlockBinder::check_file() noexcept {
-  if (!file_map_ || file_gone_ || file_has_size(file_path_, file_map_->size())) return;
+  if (!file_map_.bytes || file_gone_ || mapping_intact(file_map_)) return;
   file_gone_ = true;
   warn(label_, detail::concat("'", file_path_,
-                              "' changed size under the run: the blocks read from it hold no "
+                              "' shrank under the run: the blocks read from it hold no "
                               "values off the device now (views of it would crash the process); "
                               "restore the file and build the model and the offloader again"));
   const c10::InferenceMode normal(false); // Note [inference mode]

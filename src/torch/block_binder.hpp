@@ -14,6 +14,7 @@
 
 #include "block_layout.hpp"
 #include "blockswap/core/engine.hpp"
+#include "file_weights.hpp"
 
 namespace blockswap::torch_frontend {
 
@@ -33,10 +34,10 @@ public:
   // (the file, mapped: file_weights.hpp) at their file_offset, and a change of theirs raises, as
   // the next load reads the file. `read`, when set, fills a block's packed host copy from the
   // file instead of from its tensors, which were built empty (Options::weights_from_file).
-  // `path` is the file's: if it shrinks under the run (a read fails, or at restore_to_host),
-  // those views could only crash the process (SIGBUS), so they become tensors with no elements
-  // and a warning says so.
-  void use_file(std::shared_ptr<Buffer> map, std::vector<bool> in_file,
+  // `path` is the file's: if the mapped file shrinks under the run (a read fails, or at
+  // restore_to_host), those views could only crash the process (SIGBUS), so they become tensors
+  // with no elements and a warning says so (a file deleted or renamed keeps them).
+  void use_file(FileMap map, std::vector<bool> in_file,
                 std::function<void(int64_t block, std::byte* packed)> read, std::string path);
   void on_file_failed() noexcept override;
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
@@ -108,7 +109,7 @@ private:
   c10::Device device_;
   bool strict_ = false;
   bool shared_ = false; // node-shared host copies (pack)
-  std::shared_ptr<Buffer> file_map_;
+  FileMap file_map_;
   std::vector<bool> in_file_; // empty: no block
   std::function<void(int64_t, std::byte*)> read_;
   std::string file_path_;

@@ -89,8 +89,14 @@ std::string mismatch(const std::map<std::string, const TensorInfo*>& tensors,
 class File {
 public:
   File(const std::string& path, const std::string& label) : path_(path), label_(label) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK); // a FIFO would wait
     BLOCKSWAP_CHECK(fd_ >= 0, "[", label, "] cannot open '", path, "': ", std::strerror(errno));
+    struct stat s {};
+    if (::fstat(fd_, &s) != 0 || !S_ISREG(s.st_mode)) {
+      ::close(fd_);
+      throw Error(detail::concat("[", label, "] '", path,
+                                 "' is not a regular file: give the model's .safetensors file"));
+    }
   }
   ~File() { ::close(fd_); }
   File(const File&) = delete;
@@ -215,7 +221,7 @@ void check_same_as_file(const FileWeights& file, const BlockLayout& layout, int6
   }
 }
 
-std::shared_ptr<Buffer> map_file(const std::string& path, const std::string& label) {
+FileMap map_file(const std::string& path, const std::string& label) {
   const File opened(path, label);
   struct stat s {};
   BLOCKSWAP_CHECK(::fstat(opened.fd(), &s) == 0 && s.st_size > 0, "[", label, "] cannot map '",
@@ -224,13 +230,19 @@ std::shared_ptr<Buffer> map_file(const std::string& path, const std::string& lab
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, opened.fd(), 0);
   BLOCKSWAP_CHECK(data != MAP_FAILED, "[", label, "] cannot map '", path,
                   "': ", std::strerror(errno));
-  return std::make_shared<Buffer>(static_cast<std::byte*>(data), bytes,
-                                  [](std::byte* p, std::size_t n) { ::munmap(p, n); });
+  auto mapped = std::make_shared<Buffer>(static_cast<std::byte*>(data), bytes,
+                                         [](std::byte* p, std::size_t n) { ::munmap(p, n); });
+  const int fd = ::fcntl(opened.fd(), F_DUPFD_CLOEXEC, 0);
+  BLOCKSWAP_CHECK(fd >= 0, "[", label, "] cannot keep '", path, "' open: ", std::strerror(errno));
+  return FileMap{std::move(mapped), std::shared_ptr<const int>(new int(fd), [](const int* f) {
+                   ::close(*f);
+                   delete f;
+                 })};
 }
 
-bool file_has_size(const std::string& path, std::size_t bytes) {
+bool mapping_intact(const FileMap& map) {
   struct stat s {};
-  return ::stat(path.c_str(), &s) == 0 && static_cast<std::size_t>(s.st_size) == bytes;
+  return ::fstat(*map.fd, &s) == 0 && static_cast<std::size_t>(s.st_size) >= map.bytes->size();
 }
 
 void revert_to_file(std::byte* data, std::size_t bytes) {

@@ -39,11 +39,18 @@ void check_same_as_file(const FileWeights& file, const BlockLayout& layout, int6
 
 // The whole file mapped copy-on-write (reads come from the page cache on demand; a write
 // changes only this process's pages): the memory that views of blocks in the file point into.
-std::shared_ptr<Buffer> map_file(const std::string& path, const std::string& label);
+// It keeps the file open, so that whether the mapping can still be read is asked of the file
+// it maps (mapping_intact), wherever its path now leads.
+struct FileMap {
+  std::shared_ptr<Buffer> bytes;
+  std::shared_ptr<const int> fd; // closed with the last copy
+};
+FileMap map_file(const std::string& path, const std::string& label);
 
-// Whether the file at `path` still has `bytes` bytes (a mapping of it reads past its end, a
-// SIGBUS, once it is shorter).
-bool file_has_size(const std::string& path, std::size_t bytes);
+// Whether the mapped file still has the bytes mapped (a mapping reads past the file's end, a
+// SIGBUS, once it is shorter). A file deleted or renamed under the run keeps them: the mapping
+// holds it.
+bool mapping_intact(const FileMap& map);
 
 // Drops this process's changes to `bytes` bytes of a map_file mapping from `data` on (the pages
 // that hold them): they read the file's values again.

@@ -178,7 +178,8 @@ public:
         torch_frontend::read_frozen(*file_, binder_.layouts()[block], block, packed, label_);
       };
     }
-    binder_.use_file(any ? torch_frontend::map_file(file_->path, label_) : nullptr,
+    binder_.use_file(any ? torch_frontend::map_file(file_->path, label_)
+                         : torch_frontend::FileMap{},
                      std::move(in_file), std::move(read), file_->path);
   }
 
