@@ -89,14 +89,9 @@ std::string mismatch(const std::map<std::string, const TensorInfo*>& tensors,
 class File {
 public:
   File(const std::string& path, const std::string& label) : path_(path), label_(label) {
-    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK); // a FIFO would wait
+    // O_NONBLOCK: a FIFO would wait for a writer (read_safetensors_header names it first).
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     BLOCKSWAP_CHECK(fd_ >= 0, "[", label, "] cannot open '", path, "': ", std::strerror(errno));
-    struct stat s {};
-    if (::fstat(fd_, &s) != 0 || !S_ISREG(s.st_mode)) {
-      ::close(fd_);
-      throw Error(detail::concat("[", label, "] '", path,
-                                 "' is not a regular file: give the model's .safetensors file"));
-    }
   }
   ~File() { ::close(fd_); }
   File(const File&) = delete;
@@ -230,19 +225,24 @@ FileMap map_file(const std::string& path, const std::string& label) {
   void* data = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE, opened.fd(), 0);
   BLOCKSWAP_CHECK(data != MAP_FAILED, "[", label, "] cannot map '", path,
                   "': ", std::strerror(errno));
-  auto mapped = std::make_shared<Buffer>(static_cast<std::byte*>(data), bytes,
-                                         [](std::byte* p, std::size_t n) { ::munmap(p, n); });
   const int fd = ::fcntl(opened.fd(), F_DUPFD_CLOEXEC, 0);
-  BLOCKSWAP_CHECK(fd >= 0, "[", label, "] cannot keep '", path, "' open: ", std::strerror(errno));
-  return FileMap{std::move(mapped), std::shared_ptr<const int>(new int(fd), [](const int* f) {
-                   ::close(*f);
-                   delete f;
-                 })};
+  if (fd < 0) {
+    const int error = errno;
+    ::munmap(data, bytes);
+    throw Error(
+        detail::concat("[", label, "] cannot keep '", path, "' open: ", std::strerror(error)));
+  }
+  auto mapped = std::make_shared<Buffer>(static_cast<std::byte*>(data), bytes,
+                                         [fd](std::byte* p, std::size_t n) {
+                                           ::munmap(p, n);
+                                           ::close(fd);
+                                         });
+  return FileMap{std::move(mapped), fd};
 }
 
 bool mapping_intact(const FileMap& map) {
   struct stat s {};
-  return ::fstat(*map.fd, &s) == 0 && static_cast<std::size_t>(s.st_size) >= map.bytes->size();
+  return ::fstat(map.fd, &s) == 0 && static_cast<std::size_t>(s.st_size) >= map.bytes->size();
 }
 
 void revert_to_file(std::byte* data, std::size_t bytes) {

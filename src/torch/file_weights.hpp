@@ -43,7 +43,7 @@ void check_same_as_file(const FileWeights& file, const BlockLayout& layout, int6
 // it maps (mapping_intact), wherever its path now leads.
 struct FileMap {
   std::shared_ptr<Buffer> bytes;
-  std::shared_ptr<const int> fd; // closed with the last copy
+  int fd = -1; // the mapped file's, open while `bytes` lives
 };
 FileMap map_file(const std::string& path, const std::string& label);
 

@@ -75,9 +75,6 @@ public:
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
-  // The stream calls `until` and goes on; device time does not move (the disk's reads are
-  // modelled by the staging reader, below).
-  void wait_host(Stream stream, std::function<void()> until) override;
   void synchronize(const Event& event) override;
   bool times_events() const override { return true; }
   std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override;

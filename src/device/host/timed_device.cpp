@@ -9,7 +9,6 @@
 #include <cmath>
 #include <condition_variable>
 #include <deque>
-#include <functional>
 #include <mutex>
 #include <thread>
 
@@ -36,7 +35,7 @@ public:
 };
 
 struct Task {
-  enum class Kind { busy, wait, record, host };
+  enum class Kind { busy, wait, record };
   Kind kind = Kind::busy;
   double enqueued = 0; // the host's clock when it was enqueued: it cannot start earlier
   double seconds = 0;  // busy
@@ -44,8 +43,7 @@ struct Task {
   bool copy = false; // busy: a copy (else a computation)
   bool to_device = true;
   std::size_t bytes = 0;
-  std::shared_ptr<Mark> mark;  // wait, record
-  std::function<void()> until; // host: Backend::wait_host's
+  std::shared_ptr<Mark> mark; // wait, record
 };
 
 const TimedEvent& timed(const Event& event, uint64_t device) {
@@ -177,12 +175,6 @@ struct TimedDevice::State {
     switch (task.kind) {
     case Task::Kind::wait:
       stream.free = std::max(start, task.mark->time);
-      break;
-    case Task::Kind::host:
-      lock.unlock();
-      task.until();
-      lock.lock();
-      stream.free = start;
       break;
     case Task::Kind::record:
       stream.free = start;
@@ -453,13 +445,6 @@ void TimedDevice::wait(Stream stream, const Event& event) {
   Task task;
   task.kind = Task::Kind::wait;
   task.mark = timed(event, state_->id).mark;
-  state_->enqueue(stream, std::move(task));
-}
-
-void TimedDevice::wait_host(Stream stream, std::function<void()> until) {
-  Task task;
-  task.kind = Task::Kind::host;
-  task.until = std::move(until);
   state_->enqueue(stream, std::move(task));
 }
 
