@@ -87,3 +87,17 @@ def ddp_ignore(model, names):
     call, the one DDP offers)."""
     _torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, names)
+
+
+def in_backward():
+    """Whether autograd's engine is running a backward on this thread (a reentrant
+    checkpoint's recompute)."""
+    return _torch._C._current_graph_task_id() != -1
+
+
+def saved_tensors_hooks_active():
+    """Whether saved-tensor hooks were pushed already on this thread: a non-reentrant
+    checkpoint's, ``torch.autograd.graph.save_on_cpu``'s (activation offloading leaves them
+    in charge)."""
+    top = getattr(_torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is not None and top(False) is not None

@@ -120,3 +120,27 @@ class OutputHook(_Hook):
         if self._submit:
             offloader.submit_move_blocks_forward(self._index)
         return rebuilt
+
+
+class ActivationHook(_Hook):
+    """With offload_activations=True, a forward pre-hook (``enter``) and a forward hook (run
+    even when the forward raises) around block i: what autograd saves in between is block i's
+    group of offloaded activations (Note [offloaded activations] in _activations.py). Unlike
+    the other hooks it acts without an engine too (K = 0: activations alone)."""
+    __slots__ = ("_enter",)
+
+    def __init__(self, offloader, block, index, enter):
+        super().__init__(offloader, block, index)
+        self._enter = enter
+
+    @_compat.compiler_disable
+    def __call__(self, module, *args):
+        offloader = self._owner()
+        if offloader is None or offloader._activations is None or module is not self._block():
+            return None
+        context = offloader._activations[self._index]
+        if self._enter:
+            context.__enter__()
+        else:
+            context.__exit__(None, None, None)
+        return None

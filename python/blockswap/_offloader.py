@@ -7,7 +7,7 @@ import warnings as _warnings
 
 import torch as _torch
 
-from . import _block_tensors, _compat, _distributed, _hooks, _module_casts, _peft
+from . import _activations, _block_tensors, _compat, _distributed, _hooks, _module_casts, _peft
 from ._optim import _FusedOptimizer
 
 _C = _compat.load_extension()
@@ -142,9 +142,14 @@ class ModelOffloader:
     device, which the offloader then fills from the file without a second copy). Weights read
     from the file for each load must equal the file's (checked once) and cannot change.
 
-    With no blocks, or ``blocks_to_swap=0`` and neither an optimizer nor a ``weights_file``, it
-    does nothing, like the seed: it allocates nothing, registers nothing and every verb returns
-    at once.
+    Activations (docs/guide.md, "Offloading activations"): ``offload_activations`` (what each
+    block's forward saves for backward goes to host memory and comes back just before the
+    block's backward; with ``blocks_to_swap=0`` too), ``activation_threshold_bytes`` (saved
+    storages smaller than this stay on the device; default 1 MiB).
+
+    With no blocks, or ``blocks_to_swap=0`` and neither an optimizer, a ``weights_file`` nor
+    ``offload_activations``, it does nothing, like the seed: it allocates nothing, registers
+    nothing and every verb returns at once.
     """
 
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
@@ -154,7 +159,8 @@ class ModelOffloader:
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
                  weights_prefix="", weights_from_file=None, host_budget_bytes=None,
-                 staging_buffers=2, file_reads="direct"):
+                 staging_buffers=2, file_reads="direct", offload_activations=False,
+                 activation_threshold_bytes=_activations.DEFAULT_THRESHOLD_BYTES):
         # The arguments, to build it again after a cast (Note [casting a managed model]).
         self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                             device, reentrant_activation_checkpointing, debug),
@@ -171,7 +177,9 @@ class ModelOffloader:
                                 weights_prefix=weights_prefix,
                                 weights_from_file=weights_from_file,
                                 host_budget_bytes=host_budget_bytes,
-                                staging_buffers=staging_buffers, file_reads=file_reads))
+                                staging_buffers=staging_buffers, file_reads=file_reads,
+                                offload_activations=offload_activations,
+                                activation_threshold_bytes=activation_threshold_bytes))
         self._rebuild = False
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
@@ -185,6 +193,7 @@ class ModelOffloader:
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self._impl = None
         self._hooks = []
+        self._activations = None  # offload_activations: one context a block
         self._merge_originals = {}  # Note [peft merges]
         self._merge_adapters = {}
         self._submitted = set()  # blocks submitted since the last prepare (for its message)
@@ -232,6 +241,13 @@ class ModelOffloader:
             options.share_node(lambda key, value: None, lambda key: "", 0, 1, "")
         if self.blocks:
             options.check(block_type, len(self.blocks))
+        threshold = _integer(f"[{block_type}] ", "activation_threshold_bytes",
+                             activation_threshold_bytes)
+        if not isinstance(offload_activations, bool):
+            raise InvalidArgumentError(f"[{block_type}] offload_activations must be True or "
+                                       f"False, got {offload_activations!r}")
+        if offload_activations and self.blocks:
+            self._offload_activations(_device_name(device), threshold)
         if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None
                                and weights_file is None):
             return  # the seed does nothing either: the trainer's dummy, or no swapping
@@ -276,6 +292,32 @@ class ModelOffloader:
             # With supports_backward=False too: a backward may still come (loads on demand).
             self._hooks.append(block.register_forward_hook(
                 _hooks.OutputHook(self, block, i, submit=hook_blocks)))
+
+    def _offload_activations(self, device, threshold):
+        """Hooks around each block's forward that offload what it saves (with K = 0 too)."""
+        store = _activations.store_for(device)
+        self._activation_store = store
+        self._activations = [_activations.BlockActivations(store, f"{self.block_type}.{i}",
+                                                           block, threshold)
+                             for i, block in enumerate(self.blocks)]
+        for i, block in enumerate(self.blocks):
+            if not isinstance(block, _torch.nn.Module):
+                raise ValueError(f"[{self.block_type}] block {i} is a {type(block).__name__}, "
+                                 "not a torch.nn.Module")
+            self._hooks.append(block.register_forward_pre_hook(
+                _hooks.ActivationHook(self, block, i, enter=True)))
+            self._hooks.append(block.register_forward_hook(
+                _hooks.ActivationHook(self, block, i, enter=False), always_call=True))
+
+    def offloading_activations(self, block_idx):
+        """A context manager: what autograd saves inside it is offloaded as block
+        ``block_idx``'s activations (``offload_activations=True``). The block's own call does
+        this by itself; use it around code outside the block's call that saves for the block's
+        backward, such as ``torch.utils.checkpoint`` wrapped around the block (diffusion-pipe)."""
+        if self._activations is None:
+            raise InvalidArgumentError(f"[{self.block_type}] offloading_activations() needs "
+                                       "offload_activations=True")
+        return self._activations[_operator.index(block_idx)]
 
     def _options(self, **fields):
         """An Options with each field set (python/src/module.cpp binds them by name). A value
@@ -550,15 +592,21 @@ class ModelOffloader:
         from the file tier (``disk_bytes``), bytes staged from host memory the system would not
         pin (``staged_bytes``: a warning said so)."""
         if self._impl is None:
-            return {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
-                    "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
-                    "staged_bytes": 0}
-        return self._impl.stats()
+            stats = {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
+                     "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
+                     "staged_bytes": 0}
+        else:
+            stats = self._impl.stats()
+        if self._activations is not None:
+            stats.update(self._activation_store.stats())
+        return stats
 
     def reset_stats(self):
         """Sets the counters of stats() to zero (device_bytes stays)."""
         if self._impl is not None:
             self._impl.reset_stats()
+        if self._activations is not None:
+            self._activation_store.reset_stats()
 
     def optimizer_state(self, block_idx):
         """Block i's optimizer state by name (``"<parameter>.exp_avg"``, ...): tensors that
@@ -603,6 +651,7 @@ class ModelOffloader:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._activations = None
         if self.optimizer is not None and self.optimizer.offloader is self:
             self.optimizer._detach()
         impl, self._impl = self._impl, None

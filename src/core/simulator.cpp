@@ -26,6 +26,12 @@ void check_list(const SimulatedList& list) {
   }
   BLOCKSWAP_CHECK(t.from_file.empty() || t.from_file.size() == n, "simulator: ", n,
                   " blocks in the schedule but ", t.from_file.size(), " file-tier flags");
+  BLOCKSWAP_CHECK(t.activation_bytes.empty() || t.activation_bytes.size() == n, "simulator: ", n,
+                  " blocks in the schedule but ", t.activation_bytes.size(), " activation sizes");
+}
+
+std::size_t activation_bytes(const BlockTiming& timing, int64_t block) {
+  return timing.activation_bytes.empty() ? 0 : timing.activation_bytes[block];
 }
 
 bool reads_file(const SimulatedList& list) {
@@ -83,7 +89,12 @@ public:
         continue;
       }
       if (schedule.host_waits()) host_ = std::max(host_, ready);
-      const double start = std::max({compute_, host_, ready});
+      const std::size_t g = offset_ + static_cast<std::size_t>(op.block);
+      const bool training = schedule.mode() != Mode::forward_only;
+      if (training && op.kind == Op::Kind::forward)
+        offload_previous(g, activation_bytes(timing, op.block));
+      double start = std::max({compute_, host_, ready});
+      if (training && op.kind == Op::Kind::backward) start = restore_for_backward(g, start);
       (backward ? out.backward_stall_seconds : out.forward_stall_seconds)[op.block] +=
           weight * (start - compute_);
       stall_ += weight * (start - compute_);
@@ -116,11 +127,12 @@ public:
 
   Simulation result() const {
     Simulation s;
-    s.step_seconds = std::max({compute_, copy_, host_});
+    s.step_seconds = std::max({compute_, copy_, host_, d2h_});
     s.compute_seconds = busy_compute_;
     s.stall_seconds = stall_;
     s.link_busy_seconds = busy_link_;
     s.disk_busy_seconds = busy_disk_;
+    s.d2h_busy_seconds = busy_d2h_;
     return s;
   }
 
@@ -135,6 +147,54 @@ private:
       if (in_backward == backward) half.push_back(op);
     }
     return half;
+  }
+
+  // Note [offloaded activations] (python/blockswap/_activations.py): block g's forward starts;
+  // the activations of the block computed before it go out, after that block's compute.
+  void offload_previous(std::size_t g, std::size_t bytes) {
+    grow_activations(g);
+    if (pending_out_ >= 0) {
+      const auto p = static_cast<std::size_t>(pending_out_);
+      double& channel = link_.duplex ? d2h_ : copy_;
+      channel = std::max(channel, compute_) + link_.seconds(activation_bytes_[p]);
+      (link_.duplex ? busy_d2h_ : busy_link_) += link_.seconds(activation_bytes_[p]);
+      out_end_[p] = channel;
+      offloaded_[p] = true;
+    }
+    activation_bytes_[g] = bytes;
+    pending_out_ = bytes > 0 ? static_cast<int64_t>(g) : -1;
+    position_[g] = order_.size();
+    order_.push_back(g);
+  }
+
+  // Block g's backward is about to start at `start`: its activations must be back (brought
+  // now if nothing did), and those of the block computed before it start coming back.
+  double restore_for_backward(std::size_t g, double start) {
+    grow_activations(g);
+    if (offloaded_[g] && !restoring_[g]) restore(g, start);
+    if (offloaded_[g]) start = std::max(start, act_ready_[g]);
+    if (position_[g] != kNoPosition && position_[g] > 0) {
+      const std::size_t previous = order_[position_[g] - 1];
+      if (offloaded_[previous] && !restoring_[previous]) restore(previous, start);
+    }
+    return start;
+  }
+
+  void restore(std::size_t g, double after) {
+    restoring_[g] = true;
+    copy_ = std::max({copy_, after, out_end_[g]}) + link_.seconds(activation_bytes_[g]);
+    busy_link_ += link_.seconds(activation_bytes_[g]);
+    act_ready_[g] = copy_;
+  }
+
+  void grow_activations(std::size_t g) {
+    if (activation_bytes_.size() > g) return;
+    activation_bytes_.resize(g + 1, 0);
+    out_end_.resize(g + 1, 0.0);
+    act_ready_.resize(g + 1, 0.0);
+    offloaded_.resize(g + 1, false);
+    restoring_.resize(g + 1, false);
+    position_.resize(g + 1, kNoPosition);
   }
 
   void copy(std::size_t bytes, double weight) {
@@ -172,6 +232,13 @@ private:
   std::size_t next_staging_ = 0;
   std::vector<double> ready_; // when each block's last load ends
   std::size_t offset_ = 0;
+  // Training with offloaded activations, per block of every list (offset_ + index).
+  static constexpr std::size_t kNoPosition = static_cast<std::size_t>(-1);
+  double d2h_ = 0, busy_d2h_ = 0;
+  int64_t pending_out_ = -1; // the block whose activations go out next
+  std::vector<std::size_t> activation_bytes_, position_, order_; // order_: forward order
+  std::vector<double> out_end_, act_ready_;
+  std::vector<bool> offloaded_, restoring_;
 };
 
 // The bound's third term (step_bound in simulator.hpp).
@@ -303,6 +370,7 @@ BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t b
   return BlockTiming{std::vector<double>(n, forward_seconds),
                      std::vector<std::size_t>(n, bytes),
                      backward_factor,
+                     {},
                      {}};
 }
 
@@ -377,13 +445,19 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   check_lists(lists, link);
-  double compute = 0, copies = 0, slots = 0, reads = 0;
+  double compute = 0, copies = 0, slots = 0, reads = 0, out = 0;
+  double last_activation = 0; // the block computed last in the forward keeps its activations
   for (const SimulatedList& list : lists) {
     const Schedule& schedule = *list.schedule;
     const BlockTiming& timing = *list.timing;
     for (const Op& op : schedule.pass()) {
       if (op.kind != Op::Kind::move) {
         compute += compute_seconds(timing, op);
+        const std::size_t a = activation_bytes(timing, op.block);
+        if (op.kind == Op::Kind::forward && schedule.mode() != Mode::forward_only) {
+          if (a > 0) out += link.seconds(a);
+          last_activation = a > 0 ? link.seconds(a) : 0;
+        }
         continue;
       }
       if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
@@ -403,7 +477,10 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
     }
   }
   slots = std::max(slots, halves);
-  return std::max({compute, copies, slots, reads});
+  out -= last_activation;
+  copies += out; // every offloaded activation comes back on the host->device link
+  if (!link.duplex) copies += out;
+  return std::max({compute, copies, slots, reads, link.duplex ? out : 0.0});
 }
 
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {

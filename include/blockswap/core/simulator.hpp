@@ -34,6 +34,10 @@ struct LinkModel {
   double latency_seconds = 0;       // per copy
   double disk_bytes_per_second = 0; // D, the disk's read bandwidth (needed by file-tier blocks)
   int staging_buffers = 2;          // the file tier's ring
+  // Offloaded activations (BlockTiming::activation_bytes) go out on a device->host channel of
+  // their own beside the host->device one, as PCIe's two copy engines; false: one channel for
+  // both ways. They come back on the host->device channel, in series with the weights' loads.
+  bool duplex = true;
   double seconds(std::size_t bytes) const;
   double disk_seconds(std::size_t bytes) const;
 };
@@ -44,6 +48,11 @@ struct BlockTiming {
   std::vector<std::size_t> bytes;      // per block: what one load moves
   double backward_factor = 2.0;        // a block's backward takes this multiple of its forward
   std::vector<bool> from_file;         // per block: read from the file for each load (empty: none)
+  // Training with activation offloading (empty: none): per block, the bytes its forward saves
+  // for backward that go to host memory. They go out when the next block's forward starts
+  // (the block computed last keeps its own) and come back when the backward of the block
+  // computed after it in the forward starts; a block's backward waits for its own.
+  std::vector<std::size_t> activation_bytes;
 };
 
 // N blocks alike: `forward_seconds` each, `bytes` each.
@@ -80,6 +89,7 @@ struct Simulation {
   double stall_seconds = 0;     // the compute stream idle before a block, per step
   double link_busy_seconds = 0; // the copy stream busy (loads and write-backs), per step
   double disk_busy_seconds = 0; // the disk busy reading file-tier blocks, per step
+  double d2h_busy_seconds = 0;  // the device->host channel busy with activations, per step
   std::vector<ListSimulation> lists;
   // Forward-only: the passes played before the measured chunk of kPassesPerChunk, and whether
   // the state repeated within kMaxPasses (when it did not, a backlog on the link still grew,
@@ -110,6 +120,8 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 //     last computes after its load, then the rest of the half; every list's halves are
 //     disjoint stretches of the compute stream, so these add up over halves and lists.
 //   - the disk: every read of a file-tier block in a step, one after another.
+// Offloaded activations add their copies back to the link term and, duplex, make a second
+// term of their copies out (one channel: both to the link term).
 // With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
