@@ -222,6 +222,15 @@ struct Options {
   // How the file tier keeps out of the page cache: O_DIRECT (`direct`), or buffered reads each
   // dropped from the cache after (`drop`), faster on some disks (docs/performance.md).
   CacheBypass file_reads = CacheBypass::direct;
+  // Activation offloading (docs/guide.md, "Offloading activations"): what each block's forward
+  // in run_block saves for backward goes to host memory (pinned, on a device->host stream of its
+  // own) when the next block starts, and comes back one block ahead of its backward. With
+  // blocks_to_swap = 0 too. Saved storages under activation_threshold_bytes, and the block's own
+  // weights, buffers and adapters, stay where they are. Training only (grad mode on); throws at
+  // construction in a process whose autograd engine is not LibTorch's own (Python: use the
+  // package's offload_activations argument).
+  bool offload_activations = false;
+  std::size_t activation_threshold_bytes = std::size_t{1} << 20;
 
   // Throws blockswap::InvalidArgument, naming the option and `label`, for an option out of
   // range for `blocks` blocks or options that contradict each other. The one place options are
@@ -263,6 +272,47 @@ bool cuda_available();
 
 using BlockFn =
     std::function<torch::autograd::variable_list(const torch::autograd::variable_list&)>;
+
+// The bytes of a torch device held by saved activations (Options::offload_activations,
+// ActivationScope), shared by every offloader and scope of that device.
+struct ActivationStats {
+  uint64_t offloaded_bytes = 0;   // copied to host memory
+  uint64_t restored_bytes = 0;    // copied back for a backward
+  uint64_t device_bytes = 0;      // on the device now
+  uint64_t peak_device_bytes = 0; // on the device at the peak
+};
+ActivationStats activation_stats(c10::Device device);
+// Sets the counters to zero; the peak to the bytes on the device now.
+void reset_activation_stats(c10::Device device);
+
+// While it lives, what autograd saves on this thread for backward is block `label`'s
+// activations on `device` (kCPU: the emulated device, or kCUDA): saved storages of at least
+// `threshold_bytes` go to host memory when the next scope opens and come back one scope ahead
+// of their backward (Note [offloaded activations] in activation_offload.cpp); the others, and
+// the storages of `weights` (the block's parameters and buffers), stay and are counted (weights
+// are not). run_block opens one for each block with Options::offload_activations; open one
+// yourself around code outside run_block that saves for a block's backward, or, with the
+// default threshold, to count a model's saved activations without moving them. Does nothing
+// under no grad and inside a backward (a recompute reads what it saves at once). Throws
+// blockswap::Error when copying the earlier scopes' activations to host memory fails (they stay
+// on the device), or in a process whose autograd engine is not LibTorch's own.
+class ActivationScope {
+public:
+  ActivationScope(c10::Device device, std::string label, const std::vector<at::Tensor>& weights,
+                  std::size_t threshold_bytes = SIZE_MAX);
+  ~ActivationScope();
+  // not copyable, not movable: it stands for a stretch of this thread's code
+  ActivationScope(const ActivationScope&) = delete;
+  ActivationScope& operator=(const ActivationScope&) = delete;
+  ActivationScope(ActivationScope&&) = delete;
+  ActivationScope& operator=(ActivationScope&&) = delete;
+
+  struct State;
+
+private:
+  std::shared_ptr<State> state_;
+  std::shared_ptr<State> previous_;
+};
 
 class ModelOffloader {
 public:
@@ -325,7 +375,9 @@ public:
   void synchronize();
   int64_t blocks_to_swap() const; // K, as given or as the planner chose it
   Stats stats() const;
-  void reset_stats();
+  // With Options::offload_activations: the device's saved activations (activation_stats).
+  ActivationStats activation_stats() const;
+  void reset_stats(); // activation_stats() too, with offload_activations
 
   // Full fine-tuning (Options::optimizer). The learning rate of the steps from now on (a
   // schedule changes it between steps).

@@ -4,6 +4,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "activation_offload.hpp"
 #include "block_autograd.hpp"
 #include "block_binder.hpp"
 #include "blockswap/core/error.hpp"
@@ -97,6 +98,7 @@ public:
             torch_frontend::layout_blocks(blocks_, label_, torch_device_, fine_tuner_.packing()),
             label_, torch_device_, options_.strict_residency) {
     try {
+      if (options_.offload_activations) torch_frontend::install_saved_tensor_hooks();
       build();
     } catch (const std::exception& e) {
       if (share_) share_->fail(e.what()); // the node's other ranks wait for nothing
@@ -204,6 +206,8 @@ public:
   }
 
   Engine& engine() { return *engine_; }
+  c10::Device compute_device() const { return torch_device_; }
+  bool offloads_activations() const { return options_.offload_activations; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
 
   // What the engine is told of each block's computation.
@@ -231,13 +235,27 @@ public:
                                            const torch::autograd::variable_list& inputs,
                                            const BlockFn& fn) {
     Entered entered = wait(block);
+    std::optional<ActivationScope> activations;
+    if (options_.offload_activations) { // after the wait: the block's weights are where it runs
+      activations.emplace(torch_device_, detail::concat(label_, ".", block), block_tensors(block),
+                          options_.activation_threshold_bytes);
+    }
     const auto start = Trace::Clock::now();
     const auto outputs = fn(inputs);
+    activations.reset();
     if (options_.trace) {
       last_mark_ = Trace::Clock::now();
       options_.trace->add(detail::concat("forward ", block), Track::compute, start, last_mark_);
     }
     return submit(self, block, outputs, std::move(entered.slot));
+  }
+
+  // Block b's parameters and buffers, where they are now.
+  std::vector<at::Tensor> block_tensors(int64_t block) const {
+    std::vector<at::Tensor> tensors;
+    for (const auto& [name, t] : blocks_[block].parameters) tensors.push_back(t);
+    for (const auto& [name, t] : blocks_[block].buffers) tensors.push_back(t);
+    return tensors;
   }
 
   // Before a block's forward: its load waited for (or, in the recompute pass, made).
@@ -535,8 +553,13 @@ Stats ModelOffloader::stats() const {
   return impl_->engine().stats();
 }
 
+ActivationStats ModelOffloader::activation_stats() const {
+  return blockswap::activation_stats(impl_->compute_device());
+}
+
 void ModelOffloader::reset_stats() {
   impl_->engine().reset_stats();
+  if (impl_->offloads_activations()) reset_activation_stats(impl_->compute_device());
 }
 
 void ModelOffloader::set_learning_rate(double lr) {

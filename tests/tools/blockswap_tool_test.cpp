@@ -346,6 +346,37 @@ TEST(Plan, AHostBudgetPlansThreeTiers) {
   EXPECT_NE(bad.exit_code, 0);
 }
 
+// --activation-bytes: the step and the device memory with activations offloaded and kept.
+TEST(Plan, ActivationBytesPredictTheStepWithThemOffloaded) {
+  const fs::path model = scratch() / "flux-activations.safetensors";
+  write_sparse_model(model, flux_tensors(), "BF16", 2);
+  const std::string plan =
+      "plan " + model.string() + " --budget 12GiB --mode train --block-ms 40 --json";
+  const json without = json::parse(run_tool(plan).out);
+  EXPECT_FALSE(without.contains("activations"));
+  // Small activations hide under compute on a duplex link; large ones make the link the bound.
+  const json small = json::parse(run_tool(plan + " --link-gbps 25 --activation-bytes 64MiB").out);
+  const json& a = small["activations"];
+  EXPECT_EQ(a["bytes_per_block"], uint64_t{64} << 20);
+  EXPECT_EQ(a["device_bytes"], (uint64_t{64} << 20) * 57); // 19 double and 38 single blocks
+  EXPECT_EQ(a["offloaded_device_bytes"], (uint64_t{64} << 20) * 2);
+  EXPECT_EQ(a["offloaded_bytes_per_step"], (uint64_t{64} << 20) * 56);
+  EXPECT_NEAR(a["predicted_offloaded_step_seconds"].get<double>(),
+              small["predicted_step_seconds"].get<double>(),
+              small["predicted_step_seconds"].get<double>() * 0.02);
+  const json large = json::parse(run_tool(plan + " --link-gbps 25 --activation-bytes 8GiB").out);
+  EXPECT_GE(large["activations"]["predicted_offloaded_step_seconds"].get<double>(),
+            56 * 8.0 * (1 << 30) / 25e9 * (1 - 1e-9));
+  const Result table =
+      run_tool("plan " + model.string() + " --budget 12GiB --activation-bytes 1GiB");
+  EXPECT_NE(table.out.find("activations (1.00 GiB a block)"), std::string::npos) << table.out;
+  const Result infer =
+      run_tool("plan " + model.string() + " --budget 12GiB --mode infer --activation-bytes 1GiB");
+  EXPECT_NE(infer.exit_code, 0);
+  EXPECT_NE(infer.err.find("--activation-bytes applies to --mode train"), std::string::npos)
+      << infer.err;
+}
+
 // Twelve groups of twelve blocks: the search is polynomial (an exhaustive one did not finish in
 // two minutes), and the prediction too.
 TEST(Plan, TwelveGroupsPlanInUnderASecond) {
@@ -522,6 +553,21 @@ TEST(Ranks, AKilledRankMakesTheOthersFailAndLeavesNothing) {
 
 // Two jobs on one node at once, each with its own store: neither maps the other's memory (each
 // rank's share of its job's copy is half of it, not a quarter), both exact.
+TEST(Ranks, EveryRankOffloadsItsOwnActivationsExactly) {
+  const Result r = run_tool("run --mode train --ranks 2 --blocks 4 --swap 1 --hidden 64 --heads 2 "
+                            "--tokens 256 --steps 2 --offload-activations --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+  ASSERT_EQ(out["rank_stats"].size(), 2u) << r.out;
+  for (const json& rank : out["rank_stats"]) {
+    EXPECT_EQ(rank["max_abs_diff"].get<double>(), 0.0) << rank.dump();
+    EXPECT_LT(rank["peak_activation_bytes"].get<uint64_t>(),
+              rank["baseline_peak_activation_bytes"].get<uint64_t>())
+        << rank.dump();
+  }
+}
+
 TEST(Ranks, TwoJobsAtOnceKeepTheirOwnCopies) {
   Started a = start_tool(std::string(kSmallRanksJob) + " --ranks 2", "", "job_a");
   Started b = start_tool("run --mode train --blocks 4 --swap 2 --hidden 64 --heads 4 --tokens 32 "
@@ -580,6 +626,39 @@ TEST(Run, FineTuneIsExactAndWritesChangedBlocksBack) {
   ASSERT_EQ(table.exit_code, 0) << table.err;
   EXPECT_NE(table.out.find("full fine-tuning"), std::string::npos) << table.out;
   EXPECT_NE(table.out.find("(identical)"), std::string::npos) << table.out;
+}
+
+// --offload-activations: exact, and the device holds about two blocks' saved activations at
+// their peak, whatever the number of blocks.
+TEST(Run, OffloadActivationsIsExactAndKeepsAboutTwoBlocksOnTheDevice) {
+  for (const std::string mode : {"train", "finetune"}) {
+    for (const int blocks : {4, 8}) {
+      const Result r = run_tool("run --mode " + mode + " --blocks " + std::to_string(blocks) +
+                                " --swap 1 --hidden 64 --heads 2 --tokens 256 --steps 2 "
+                                "--offload-activations --json");
+      ASSERT_EQ(r.exit_code, 0) << r.err;
+      const json out = json::parse(r.out);
+      EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0) << mode << " " << blocks;
+      const double kept = out["baseline"]["peak_activation_bytes"].get<double>();
+      const double offloaded = out["swapped"]["peak_activation_bytes"].get<double>();
+      EXPECT_GT(out["swapped"]["activation_offloaded_bytes"].get<uint64_t>(), 0u);
+      EXPECT_EQ(out["swapped"]["activation_restored_bytes"],
+                out["swapped"]["activation_offloaded_bytes"]);
+      EXPECT_LE(offloaded, 2.5 * kept / blocks) << mode << " " << blocks << ": " << r.out;
+    }
+  }
+  const Result table = run_tool(
+      "run --mode train --blocks 4 --hidden 64 --heads 2 --tokens 256 --offload-activations");
+  ASSERT_EQ(table.exit_code, 0) << table.err;
+  EXPECT_NE(table.out.find("saved activations on the device at their peak"), std::string::npos)
+      << table.out;
+  const Result stray = run_tool("run --mode train --blocks 4 --activation-threshold 0");
+  EXPECT_NE(stray.exit_code, 0);
+  EXPECT_NE(stray.err.find("applies to --offload-activations"), std::string::npos) << stray.err;
+  const Result infer = run_tool("run --mode infer --blocks 4 --offload-activations");
+  EXPECT_NE(infer.exit_code, 0);
+  EXPECT_NE(infer.err.find("--offload-activations applies to --mode train"), std::string::npos)
+      << infer.err;
 }
 
 TEST(Run, TableWithoutArguments) {

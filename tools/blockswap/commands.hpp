@@ -36,6 +36,10 @@ struct RunArgs {
   // The emulated device pins at most this much host memory (empty: no cap), as a low
   // `ulimit -l` or WSL does: past it, the host copies are pageable and their loads staged.
   std::string pinnable_bytes;
+  // Training: what each block saves for backward goes to host memory (Options::
+  // offload_activations); both runs count the device bytes saved activations hold.
+  bool offload_activations = false;
+  std::string activation_threshold = "64KiB"; // saved storages under it stay on the device
   // Data-parallel LoRA training over this many processes (0: one process, no c10d).
   int ranks = 0;
   double timeout_seconds = 60; // how long a rank waits for the others
@@ -57,6 +61,9 @@ struct PlanArgs {
   // read from the model's file for each load, at --disk-gbps.
   std::string host_budget;
   double disk_gbps = 7;
+  // Training: the bytes each block's forward saves for backward (empty: not predicted); the
+  // step and the device memory for activations with and without offloading them.
+  std::string activation_bytes;
 };
 
 struct BenchArgs {

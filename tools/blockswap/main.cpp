@@ -103,6 +103,14 @@ int main(int argc, char** argv) {
                       "emulated device: page-lock at most this much host memory (0, 4GiB, ...), "
                       "as a low ulimit -l or WSL does; past it, loads are staged from pageable "
                       "memory");
+  run_cmd->add_flag("--offload-activations", run.offload_activations,
+                    "train or finetune: what each block saves for backward goes to host memory "
+                    "and comes back before its backward");
+  run_cmd
+      ->add_option("--activation-threshold", run.activation_threshold,
+                   "with --offload-activations: saved storages under this size stay on the "
+                   "device (0: every one moves)")
+      ->capture_default_str();
   run_cmd->add_option("--trace", run.trace,
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");
@@ -157,6 +165,10 @@ int main(int argc, char** argv) {
                    "prediction, with --host-budget: the disk's read GB/s (PCIe 4 NVMe: about 7)")
       ->check(number_in(kMinLinkGbps, 1e6))
       ->capture_default_str();
+  plan_cmd->add_option("--activation-bytes", plan.activation_bytes,
+                       "training: the bytes each block's forward saves for backward (64MiB, ...: "
+                       "`blockswap run --offload-activations --json` measures them); predicts the "
+                       "step and the device memory with activations offloaded and without");
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))
       ->excludes(block_ms)
@@ -221,6 +233,8 @@ int main(int argc, char** argv) {
       BLOCKSWAP_CHECK(run.ranks == 0, "--host-budget with --ranks: the tool runs the file tier "
                                       "in one process; leave one of them out");
     }
+    BLOCKSWAP_CHECK(run_cmd->count("--activation-threshold") == 0 || run.offload_activations,
+                    "--activation-threshold applies to --offload-activations only");
     BLOCKSWAP_CHECK(run_cmd->count("--pinnable-bytes") == 0 || !run.pinnable_bytes.empty(),
                     "--pinnable-bytes needs a size (0, 64MiB, ...)");
     if (run.ranks > 0) return ranks_command(run, argv);

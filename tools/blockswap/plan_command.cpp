@@ -28,13 +28,14 @@ struct Prediction {
   uint64_t host_bytes = 0;
   std::vector<int64_t> rotating_slots;       // per group (inference), 0 in training
   std::vector<double> block_forward_seconds; // per group: its largest block's forward
+  double offloaded_activations_seconds = 0;  // --activation-bytes: the step with them offloaded
 };
 
 // The plan's step on the schedule simulator: each group a block list on one device, a block's
 // forward from --block-ms or --tflops/--tokens, backward twice the forward; in inference the
 // rotating slots the simulator finds fastest.
 Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanArgs& args,
-                   std::optional<uint64_t> host_budget) {
+                   std::optional<uint64_t> host_budget, uint64_t activation_bytes) {
   LinkModel link{args.link_gbps * 1e9, 5e-6};
   link.disk_bytes_per_second = args.disk_gbps * 1e9;
   uint64_t largest = 1;
@@ -106,6 +107,10 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
   p.in_memory_seconds = step(ks, p.rotating_slots, false);
   p.step_seconds = host_budget ? step(ks, p.rotating_slots, true) : p.in_memory_seconds;
   p.noswap_seconds = step(none, none, false);
+  if (activation_bytes > 0 && plan.mode == Mode::training) {
+    for (BlockTiming& t : timings) t.activation_bytes.assign(t.bytes.size(), activation_bytes);
+    p.offloaded_activations_seconds = step(ks, p.rotating_slots, host_budget.has_value());
+  }
   return p;
 }
 
@@ -121,14 +126,18 @@ int plan_command(const PlanArgs& args) {
   ModelPlan plan = plan_model(layout, budget, mode);
   std::optional<uint64_t> host_budget;
   if (!args.host_budget.empty()) host_budget = parse_size(args.host_budget);
-  Prediction prediction = predict(plan, layout, args, host_budget);
+  const uint64_t activation_bytes =
+      args.activation_bytes.empty() ? 0 : parse_size(args.activation_bytes);
+  BLOCKSWAP_CHECK(activation_bytes == 0 || mode == Mode::training,
+                  "--activation-bytes applies to --mode train: inference saves no activations");
+  Prediction prediction = predict(plan, layout, args, host_budget, activation_bytes);
   // One or two groups: of the plans that fit, the one the simulator finds fastest (the fewest
   // bytes moved is not always the fastest: a group left with one slot cannot overlap its loads).
   if (layout.groups.size() <= 2) {
     for (const std::vector<int64_t>& ks :
          budget_frontier(block_lists(layout), budget, mode, layout.non_block_bytes)) {
       ModelPlan candidate = plan_model(layout, budget, mode, ks);
-      Prediction p = predict(candidate, layout, args, host_budget);
+      Prediction p = predict(candidate, layout, args, host_budget, activation_bytes);
       if (p.step_seconds < prediction.step_seconds * (1 - 1e-9) ||
           (p.step_seconds <= prediction.step_seconds * (1 + 1e-9) &&
            candidate.moved_bytes < plan.moved_bytes)) {
@@ -138,6 +147,12 @@ int plan_command(const PlanArgs& args) {
     }
   }
   const double overhead = prediction.step_seconds / prediction.noswap_seconds - 1;
+  // Device memory for saved activations: every block's without offloading; with it, the last
+  // block's (never offloaded) and the one coming back under it (Note [offloaded activations]).
+  int64_t all_blocks = 0;
+  for (const GroupPlan& g : plan.groups) all_blocks += g.blocks;
+  const uint64_t activations_kept = activation_bytes * static_cast<uint64_t>(all_blocks);
+  const uint64_t activations_offloaded = activation_bytes * std::min<uint64_t>(2, all_blocks);
 
   if (args.json) {
     nlohmann::json groups = nlohmann::json::array();
@@ -184,6 +199,14 @@ int plan_command(const PlanArgs& args) {
       out["host_bytes"] = prediction.host_bytes;
       out["disk_gbps"] = args.disk_gbps;
       out["predicted_in_memory_step_seconds"] = prediction.in_memory_seconds;
+    }
+    if (activation_bytes > 0) {
+      out["activations"] = {
+          {"bytes_per_block", activation_bytes},
+          {"device_bytes", activations_kept},
+          {"offloaded_device_bytes", activations_offloaded},
+          {"offloaded_bytes_per_step", activation_bytes * static_cast<uint64_t>(all_blocks - 1)},
+          {"predicted_offloaded_step_seconds", prediction.offloaded_activations_seconds}};
     }
     std::cout << out.dump(2) << '\n';
     return 0;
@@ -234,6 +257,14 @@ int plan_command(const PlanArgs& args) {
                 format_bytes(prediction.host_bytes).c_str(), format_bytes(read).c_str(),
                 mode == Mode::training ? "step" : "pass", prediction.step_seconds,
                 prediction.in_memory_seconds);
+  }
+  if (activation_bytes > 0) {
+    std::printf("\nactivations (%s a block): %s on the device kept, about %s offloaded, %s to "
+                "host memory and back per step: %.4g s a step offloaded against %.4g s kept\n",
+                format_bytes(activation_bytes).c_str(), format_bytes(activations_kept).c_str(),
+                format_bytes(activations_offloaded).c_str(),
+                format_bytes(activation_bytes * static_cast<uint64_t>(all_blocks - 1)).c_str(),
+                prediction.offloaded_activations_seconds, prediction.step_seconds);
   }
   if (mode == Mode::forward_only) {
     std::printf("rotating slots (Options::rotating_slots):");

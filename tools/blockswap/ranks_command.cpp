@@ -86,6 +86,8 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
   options.device = c10::kCPU;
   options.emulated_link_gbps = args.link_gbps;
   options.node_sharing = node_sharing(store, rank, args.ranks); // one node: this machine
+  options.offload_activations = args.offload_activations;       // each rank its own, in its process
+  options.activation_threshold_bytes = parse_size(args.activation_threshold);
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
 
   int reductions = 0;
@@ -105,8 +107,9 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
                                  first_line(e.what())));
     }
   };
-  const auto [baseline, swapped] = run_side_by_side(baseline_model, swapped_model, offloader, input,
-                                                    Work::train, args.steps, all_reduce);
+  const auto [baseline, swapped] =
+      run_side_by_side(baseline_model, swapped_model, offloader, input, Work::train, args.steps,
+                       all_reduce, args.offload_activations);
   // Every rank's adapters against rank 0's.
   double to_rank0 = 0;
   for (const auto& p : swapped_model.lora_parameters()) {
@@ -120,7 +123,7 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
 
   const Stats stats = offloader.stats();
   const uint64_t steps = static_cast<uint64_t>(args.steps);
-  const nlohmann::json out{
+  nlohmann::json out{
       {"rank", rank},
       {"blocks", config.blocks},
       {"hidden", config.hidden},
@@ -138,6 +141,10 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
       {"max_abs_diff", max_abs_diff(baseline, swapped)},
       {"max_diff_to_rank0", to_rank0},
   };
+  if (args.offload_activations) {
+    out["baseline_peak_activation_bytes"] = baseline.peak_activation_bytes;
+    out["peak_activation_bytes"] = swapped.peak_activation_bytes;
+  }
   const std::string path = rank_file(dir, rank);
   std::ofstream(path + ".tmp") << out.dump() << '\n';
   fs::rename(path + ".tmp", path);

@@ -16,6 +16,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/simulator.hpp"
 #include "blockswap/model_io/model_plan.hpp"
+#include "blockswap/model_io/size.hpp"
 #include "blockswap/torch.hpp"
 #include "commands.hpp"
 #include "reference_transformer.hpp"
@@ -122,6 +123,12 @@ int run_command(const RunArgs& args) {
                   "--step-on applies to --mode finetune only");
   const bool train = work != Work::infer;
   const Mode mode = train ? Mode::training : Mode::forward_only;
+  BLOCKSWAP_CHECK(train || !args.offload_activations,
+                  "--offload-activations applies to --mode train or finetune: inference saves "
+                  "no activations");
+  BLOCKSWAP_CHECK(!args.offload_activations || args.host_budget.empty(),
+                  "--offload-activations with --host-budget: the file-tier run is inference or "
+                  "training without it; leave one of them out");
   if (args.weights.empty()) {
     BLOCKSWAP_CHECK(args.hidden % args.heads == 0, "--hidden ", args.hidden,
                     " is not divisible by --heads ", args.heads);
@@ -167,10 +174,18 @@ int run_command(const RunArgs& args) {
   options.step_on = step_on;
   use_device(args, device, options);
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
+  if (args.offload_activations) {
+    options.offload_activations = true;
+    // The reference transformer's saved tensors are small at the tool's sizes (a hidden state of
+    // 256 tokens is 384 KiB): the default 64 KiB moves all but the per-token statistics and the
+    // adapters' narrow products.
+    options.activation_threshold_bytes = parse_size(args.activation_threshold);
+  }
 
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
-  const auto [baseline, swapped] =
-      run_side_by_side(baseline_model, swapped_model, offloader, input, work, args.steps);
+  const auto [baseline, swapped] = run_side_by_side(baseline_model, swapped_model, offloader, input,
+                                                    work, args.steps, {}, args.offload_activations);
+  const ActivationStats activations = offloader.activation_stats();
   const Stats stats = offloader.stats();
   const double diff = max_abs_diff(baseline, swapped);
   if (options.trace) options.trace->write_chrome_json(args.trace);
@@ -221,6 +236,12 @@ int run_command(const RunArgs& args) {
           {"predicted_step_seconds", predicted}}},
         {"max_abs_diff", diff},
     };
+    if (args.offload_activations) {
+      out["baseline"]["peak_activation_bytes"] = baseline.peak_activation_bytes;
+      out["swapped"]["peak_activation_bytes"] = swapped.peak_activation_bytes;
+      out["swapped"]["activation_offloaded_bytes"] = activations.offloaded_bytes / steps;
+      out["swapped"]["activation_restored_bytes"] = activations.restored_bytes / steps;
+    }
     std::cout << out.dump(2) << '\n';
   } else {
     std::printf(
@@ -248,6 +269,13 @@ int run_command(const RunArgs& args) {
                 format_bytes(stats.d2h_bytes / steps).c_str(),
                 milliseconds(stats.stall_seconds / double(steps)).c_str());
     std::printf("\n(bytes moved and stall are per step; device weights is the peak)\n");
+    if (args.offload_activations) {
+      std::printf("saved activations on the device at their peak: %s without blockswap, %s with "
+                  "them offloaded (%s to host memory and back per step)\n",
+                  format_bytes(baseline.peak_activation_bytes).c_str(),
+                  format_bytes(swapped.peak_activation_bytes).c_str(),
+                  format_bytes(activations.offloaded_bytes / steps).c_str());
+    }
     std::printf("largest difference between the two results: %g%s\n", diff,
                 diff == 0 ? " (identical)" : "  <-- MISMATCH");
     if (options.trace) std::printf("trace written to %s\n", args.trace.c_str());

@@ -78,6 +78,17 @@ void StepRunner::add_weights(std::vector<torch::Tensor>& results) const {
 }
 
 torch::Tensor StepRunner::forward() {
+  if (offloader_ == nullptr && count_activations_) {
+    torch::Tensor x = input_;
+    int64_t i = 0;
+    for (auto& block : model_.blocks()) {
+      std::vector<at::Tensor> weights = block->parameters();
+      for (const auto& b : block->buffers()) weights.push_back(b);
+      const ActivationScope count(input_.device(), detail::concat("baseline.", i++), weights);
+      x = block->forward(x);
+    }
+    return x;
+  }
   if (offloader_ == nullptr) return model_.forward(input_);
   offloader_->prepare_block_devices_before_forward();
   torch::Tensor x = input_;
@@ -91,6 +102,16 @@ torch::Tensor StepRunner::forward() {
 }
 
 double StepRunner::step(std::vector<torch::Tensor>* results) {
+  if (count_activations_) reset_activation_stats(input_.device());
+  const double seconds = timed_step(results);
+  if (count_activations_) {
+    peak_activation_bytes_ =
+        std::max(peak_activation_bytes_, activation_stats(input_.device()).peak_device_bytes);
+  }
+  return seconds;
+}
+
+double StepRunner::timed_step(std::vector<torch::Tensor>* results) {
   const auto start = Clock::now();
   if (work_ == Work::finetune) {
     const torch::Tensor loss = forward().pow(2).mean();
@@ -135,11 +156,15 @@ double median(std::vector<double> values) {
 
 std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         Work work, int steps, const GradientReducer& reduce) {
+                                         Work work, int steps, const GradientReducer& reduce,
+                                         bool count_activations) {
   Progress progress;
   Phase phases[2];
   StepRunner runners[] = {{plain, nullptr, input, work, reduce},
                           {swapped, &offloader, input, work, reduce}};
+  if (count_activations) {
+    for (auto& runner : runners) runner.count_activations();
+  }
   std::vector<double> times[2];
   for (int step = 0; step <= steps; ++step) {
     if (step == 1) offloader.reset_stats();
@@ -151,6 +176,7 @@ std::pair<Phase, Phase> run_side_by_side(ReferenceTransformer& plain, ReferenceT
   }
   for (int v = 0; v < 2; ++v) {
     phases[v].step_seconds = median(times[v]);
+    phases[v].peak_activation_bytes = runners[v].peak_activation_bytes();
     if (work == Work::finetune) runners[v].add_weights(phases[v].results);
   }
   return {std::move(phases[0]), std::move(phases[1])};

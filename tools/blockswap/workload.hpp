@@ -19,6 +19,9 @@ namespace blockswap::tool {
 struct Phase {
   double step_seconds = 0; // the median of the measured steps
   std::vector<torch::Tensor> results;
+  // With activations counted: the device bytes saved activations held at their peak, over the
+  // steps (ActivationStats::peak_device_bytes).
+  uint64_t peak_activation_bytes = 0;
 };
 
 // What a step does: inference, LoRA training (frozen base weights, adapters stepped by SGD),
@@ -44,6 +47,11 @@ class StepRunner {
 public:
   StepRunner(models::ReferenceTransformer& model, ModelOffloader* offloader, torch::Tensor input,
              Work work, GradientReducer reduce = {});
+  // Counts the device bytes saved activations hold in each step (the offloader's own scopes
+  // with Options::offload_activations; without an offloader, a counting ActivationScope around
+  // each block).
+  void count_activations() { count_activations_ = true; }
+  uint64_t peak_activation_bytes() const { return peak_activation_bytes_; }
   // Runs a step and returns its seconds. Training: the loss and every adapter gradient go to
   // `results` (when not null) and the adapters take an SGD step; fine-tuning: the loss, and
   // the weights take an AdamW step; inference: the output.
@@ -52,6 +60,7 @@ public:
   void add_weights(std::vector<torch::Tensor>& results) const;
 
 private:
+  double timed_step(std::vector<torch::Tensor>* results);
   torch::Tensor forward();
   models::ReferenceTransformer& model_;
   ModelOffloader* offloader_;
@@ -60,6 +69,8 @@ private:
   std::vector<torch::Tensor> adapters_;
   GradientReducer reduce_;
   std::unique_ptr<torch::optim::AdamW> adamw_; // fine-tuning without blockswap
+  bool count_activations_ = false;
+  uint64_t peak_activation_bytes_ = 0;
 };
 
 double median(std::vector<double> values);
@@ -69,7 +80,8 @@ double median(std::vector<double> values);
 std::pair<Phase, Phase> run_side_by_side(models::ReferenceTransformer& plain,
                                          models::ReferenceTransformer& swapped,
                                          ModelOffloader& offloader, const torch::Tensor& input,
-                                         Work work, int steps, const GradientReducer& reduce = {});
+                                         Work work, int steps, const GradientReducer& reduce = {},
+                                         bool count_activations = false);
 
 // One model alone (through `offloader` when it is not null): one warm-up step, then `steps`
 // measured; the offloader's stats count the measured steps only.
