@@ -5,7 +5,8 @@
 // forward; on a duplex link (PCIe: a copy engine each way) and on one channel for both ways.
 // Device time: the same figures on any machine.
 //
-//   build/bench/activation_sim_bench        # a table (docs/performance.md, "Offloaded activations")
+//   build/bench/activation_sim_bench        # a table (docs/performance.md, "Offloaded
+//   activations")
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -56,18 +57,19 @@ int main() {
       {"flux", {19, 38}, {339'600'000 * 2, 141'600'000 * 2}},
       {"wan14b", {40}, {351'000'000 * 2}},
   };
-  std::printf("| model | weights copy/compute | activations copy/compute | link | step (s) | T* (s) "
-              "| step / T* | step / step without offloading |\n"
-              "|---|---|---|---|---|---|---|---|\n");
+  std::printf(
+      "| model | weights copy/compute | activations copy/compute | link | step (s) | T* (s) "
+      "| step / T* | step / step without offloading |\n"
+      "|---|---|---|---|---|---|---|---|\n");
   for (const Shape& shape : shapes) {
     for (double ratio : {0.5, 1.0}) {
       const Step none = step(shape, ratio, 0, true);
       for (double activations : {0.25, 0.5, 1.0}) {
         for (bool duplex : {true, false}) {
           const Step s = step(shape, ratio, activations, duplex);
-          std::printf("| %s | %.2f | %.2f | %s | %.3f | %.3f | %.3f | %.3f |\n",
-                      shape.name.c_str(), ratio, activations, duplex ? "duplex" : "one channel",
-                      s.seconds, s.bound, s.seconds / s.bound, s.seconds / none.seconds);
+          std::printf("| %s | %.2f | %.2f | %s | %.3f | %.3f | %.3f | %.3f |\n", shape.name.c_str(),
+                      ratio, activations, duplex ? "duplex" : "one channel", s.seconds, s.bound,
+                      s.seconds / s.bound, s.seconds / none.seconds);
         }
       }
     }

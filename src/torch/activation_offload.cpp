@@ -98,9 +98,8 @@ struct Storage {
 class Store : public std::enable_shared_from_this<Store> {
 public:
   explicit Store(c10::Device device) : device_(device), cuda_(device.is_cuda()) {
-    BLOCKSWAP_CHECK(device.is_cpu() || device.is_cuda(),
-                    "offloaded activations: device ", device.str(),
-                    " is neither kCPU (the emulated device) nor kCUDA");
+    BLOCKSWAP_CHECK(device.is_cpu() || device.is_cuda(), "offloaded activations: device ",
+                    device.str(), " is neither kCPU (the emulated device) nor kCUDA");
     if (cuda_) {
       const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
       d2h_ = guard.getStreamFromGlobalPool(device_);
@@ -253,12 +252,12 @@ private:
       s.host = std::move(host);
     } catch (const std::exception& e) {
       const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
-      throw Error(detail::concat(
-          "[", s.group->label, "] offloading ", s.nbytes,
-          " bytes of saved activations to host memory failed (",
-          c10_error ? c10_error->what_without_backtrace() : e.what(),
-          "); they stay on the device and nothing was lost. Free host memory, raise "
-          "activation_threshold_bytes, or turn offload_activations off"));
+      throw Error(
+          detail::concat("[", s.group->label, "] offloading ", s.nbytes,
+                         " bytes of saved activations to host memory failed (",
+                         c10_error ? c10_error->what_without_backtrace() : e.what(),
+                         "); they stay on the device and nothing was lost. Free host memory, raise "
+                         "activation_threshold_bytes, or turn offload_activations off"));
     }
   }
 

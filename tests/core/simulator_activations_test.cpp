@@ -25,7 +25,7 @@ TEST(SimulatorActivations, SmallActivationsHideUnderCompute) {
   const LinkModel link{1000.0};
   const Simulation r = simulate(s, with_activations(8, kS, 250), link);
   EXPECT_NEAR(r.step_seconds, 8 * 3.0, 1e-9);
-  EXPECT_NEAR(r.d2h_busy_seconds, 7 * 0.25, 1e-9); // the last block keeps its own
+  EXPECT_NEAR(r.d2h_busy_seconds, 7 * 0.25, 1e-9);  // the last block keeps its own
   EXPECT_NEAR(r.link_busy_seconds, 7 * 0.25, 1e-9); // and they all come back
   EXPECT_NEAR(step_bound(s, with_activations(8, kS, 250), link), 24.0, 1e-9);
 }

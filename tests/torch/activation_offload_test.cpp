@@ -25,8 +25,9 @@ Options offloading(int64_t k, std::size_t threshold = 0) {
 
 TrainingRun reference_run(int64_t n, int steps = 3) {
   TrainingRun reference(n);
-  reference.run(
-      steps, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
+  reference.run(steps, [&](torch::Tensor x, const torch::Tensor& c) {
+    return reference.model.forward(x, c);
+  });
   return reference;
 }
 
@@ -199,12 +200,12 @@ TEST(ActivationOffload, AFailedCopyToHostIsAClearErrorAndLosesNothing) {
   torch_frontend::set_activation_host_allocator(nullptr);
   // The weights are intact and the next steps are exact.
   for (std::size_t b = 0; b < 4; ++b) {
-    const auto got = model.blocks[b]->named_parameters(), want = reference.model.blocks[b]->named_parameters();
+    const auto got = model.blocks[b]->named_parameters(),
+               want = reference.model.blocks[b]->named_parameters();
     for (const auto& item : want) expect_bitwise(got[item.key()], item.value(), item.key());
   }
-  reference.run(2, [&](torch::Tensor x, const torch::Tensor& c) {
-    return reference.model.forward(x, c);
-  });
+  reference.run(
+      2, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
   TrainingRun swapped(4);
   swapped.model = model;
   swapped.run(2, [&](torch::Tensor x, const torch::Tensor& c) {
