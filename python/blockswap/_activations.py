@@ -260,10 +260,12 @@ class ActivationStore:
 
     # The hooks.
 
-    def hooks(self, group, skip_storages, threshold_bytes):
-        """The (pack, unpack) pair for one block's forward; `skip_storages` holds the data
-        pointers of the block's own weights, buffers and adapters; storages under
-        `threshold_bytes` stay on the device."""
+    def hooks(self, group, weights, threshold_bytes):
+        """The (pack, unpack) pair for one block's forward; `weights()` gives the data pointers
+        of the block's own weights, buffers and adapters where they are while its forward runs
+        (asked at the first pack: before that, the block's wait may still bind them to a slot);
+        storages under `threshold_bytes` stay on the device."""
+        skip = []
 
         def pack(tensor):
             if isinstance(tensor, _torch.nn.Parameter):
@@ -273,7 +275,9 @@ class ActivationStore:
                 return self._keep(tensor)  # a recompute inside backward reads it at once
             storage = tensor.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            if key[0] in skip_storages:
+            if not skip:
+                skip.append(weights())
+            if key[0] in skip[0]:
                 return tensor  # a view of a weight (a slot, a host copy): not an activation
             if key[1] < threshold_bytes or key[0] == 0:
                 return self._keep(tensor)
@@ -375,7 +379,8 @@ class BlockActivations:
             return self
         store = self._store
         group = store.open_group(self._label)
-        pack, unpack = store.hooks(group, block_storages(self._block), self._threshold)
+        block = self._block
+        pack, unpack = store.hooks(group, lambda: block_storages(block), self._threshold)
         hooks = _torch.autograd.graph.saved_tensors_hooks(pack, unpack)
         hooks.__enter__()
         self._stack.append((group, hooks))

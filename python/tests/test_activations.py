@@ -264,3 +264,44 @@ def test_close_removes_the_hooks_and_inference_saves_nothing():
     run_blocks(blocks, x.requires_grad_(), None).sum().backward()
     assert _activations.store_for("cpu").stats()["activation_offloaded_bytes"] == 0
     assert train(blocks, steps=1)  # plain blocks again
+
+
+class LinearBlock(torch.nn.Module):
+    """A frozen Linear (whose weight autograd saves: a view of the block's slot) and an adapter."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = torch.nn.Linear(DIM, DIM).requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(4, DIM) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(DIM, 4) * 0.1)
+
+    def forward(self, x):
+        return x + torch.tanh(self.base(x) + x @ self.a.t() @ self.b.t())
+
+
+@pytest.mark.parametrize("n", [5, 6])
+def test_hook_blocks_at_the_largest_k_never_offloads_a_weight(n):
+    """Outside tester: with hook_blocks=True the activation hook opened before the block's wait
+    had bound its weights to a slot, so a saved weight was taken for an activation, and at
+    K = N-2 its slot was reloaded before the copy: gradients 50 % off."""
+    torch.manual_seed(0)
+    reference = [LinearBlock() for _ in range(n)]
+    blocks = twin(reference)
+    o = blockswap.ModelOffloader("blocks", blocks, n, n - 2, True, "cpu", False,
+                                 hook_blocks=True, offload_activations=True,
+                                 activation_threshold_bytes=0)
+
+    def step(blocks, prepare):
+        torch.manual_seed(1)
+        x0 = torch.randn(2, TOKENS, DIM, requires_grad=True)
+        prepare()
+        x = x0
+        for block in blocks:
+            x = block(x)
+        x.pow(2).mean().backward()
+        return [x0.grad] + [p.grad for p in lora_parameters(blocks)]
+
+    expected = step(reference, lambda: None)
+    assert_bitwise(expected, step(blocks, o.prepare_block_devices_before_forward))
+    o.close()
+
