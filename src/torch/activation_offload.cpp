@@ -362,8 +362,24 @@ private:
 struct ActivationScope::State {
   std::shared_ptr<torch_frontend::Store> store;
   std::shared_ptr<torch_frontend::Group> group;
-  std::unordered_set<const void*> weights;
+  std::vector<at::Tensor> weight_tensors;
+  // Their storages where they are while the block computes, taken at the first pack: a scope
+  // may open before the block's wait binds its weights to a slot, and a saved view of the slot
+  // taken for an activation would be copied while the slot is reloaded.
+  std::optional<std::unordered_set<const void*>> weights;
   std::size_t threshold_bytes = 0;
+
+  const std::unordered_set<const void*>& weight_storages() {
+    if (!weights) {
+      weights.emplace();
+      for (const auto& t : weight_tensors) {
+        if (t.defined() && t.has_storage() && t.storage().data() != nullptr) {
+          weights->insert(t.storage().data());
+        }
+      }
+    }
+    return *weights;
+  }
 };
 
 namespace torch_frontend {
@@ -384,7 +400,7 @@ void Hooks::call_pack_hook(const at::Tensor& tensor) {
   }
   const void* data = tensor.storage().data();
   const std::size_t nbytes = tensor.storage().nbytes();
-  if (scope_->weights.contains(data)) {
+  if (scope_->weight_storages().contains(data)) {
     kept_ = tensor; // a view of a weight: a slot, a host copy, an adapter
     return;
   }
@@ -469,11 +485,7 @@ ActivationScope::ActivationScope(c10::Device device, std::string label,
   auto state = std::make_shared<State>();
   state->store = torch_frontend::store_for(device);
   state->threshold_bytes = threshold_bytes;
-  for (const auto& t : weights) {
-    if (t.defined() && t.has_storage() && t.storage().data() != nullptr) {
-      state->weights.insert(t.storage().data());
-    }
-  }
+  state->weight_tensors = weights;
   state->group = state->store->open_group(std::move(label)); // may throw: nothing changed yet
   state_ = std::move(state);
   previous_ = std::exchange(torch_frontend::current_scope, state_);
