@@ -289,13 +289,13 @@ void reset_activation_stats(c10::Device device);
 // activations on `device` (kCPU: the emulated device, or kCUDA): saved storages of at least
 // `threshold_bytes` go to host memory when the next scope opens and come back one scope ahead
 // of their backward (Note [offloaded activations] in activation_offload.cpp); the others, and
-// the storages of `weights` (the block's parameters and buffers, wherever they are bound when
-// the block computes), stay and are counted (weights are not). run_block opens one for each block
-// with Options::offload_activations; open one yourself around code outside run_block that saves for
-// a block's backward, or, with the default threshold, to count a model's saved activations without
-// moving them. Does nothing under no grad and inside a backward (a recompute reads what it saves at
-// once). Throws blockswap::Error when copying the earlier scopes' activations to host memory fails
-// (they stay on the device), or in a process whose autograd engine is not LibTorch's own.
+// the storages of `weights` (the block's parameters and buffers), stay and are counted (weights
+// are not). run_block opens one for each block with Options::offload_activations; open one
+// yourself around code outside run_block that saves for a block's backward, or, with the
+// default threshold, to count a model's saved activations without moving them. Does nothing
+// under no grad and inside a backward (a recompute reads what it saves at once). Throws
+// blockswap::Error when copying the earlier scopes' activations to host memory fails (they stay
+// on the device), or in a process whose autograd engine is not LibTorch's own.
 class ActivationScope {
 public:
   ActivationScope(c10::Device device, std::string label, const std::vector<at::Tensor>& weights,
