@@ -96,6 +96,17 @@ public:
   // Device seconds the copy stream has spent copying.
   double link_busy_seconds() const;
 
+  // Offloaded activations (Note [offloaded activations] in src/torch/activation_offload.cpp):
+  // `bytes` copied device->host once the compute stream has run what is enqueued, on a
+  // device->host channel of their own when the link is duplex (LinkModel::duplex), else on the
+  // copy stream. Returns the event at the copy's end.
+  std::unique_ptr<Event> copy_out_after_compute(std::size_t bytes);
+  // `bytes` copied back host->device on the copy stream once `out` is done and the compute
+  // stream has run what is enqueued; compute waits for the returned event before reading them.
+  std::unique_ptr<Event> copy_in_after(std::size_t bytes, const Event& out);
+  // Device seconds the device->host channel has spent on activations (duplex links only).
+  double activations_out_busy_seconds() const;
+
   struct State;
 
 private:
@@ -103,7 +114,8 @@ private:
 };
 
 // One block list of a step on a timed device: an engine on the device (directly or attached
-// through a blockswap::Device) and its blocks' costs.
+// through a blockswap::Device) and its blocks' costs (with BlockTiming::activation_bytes, a
+// training step offloads each block's activations as the front end does).
 struct TimedList {
   Engine* engine = nullptr;
   const BlockTiming* timing = nullptr;
@@ -114,6 +126,7 @@ struct TimedStep {
   double step_seconds = 0;
   double stall_seconds = 0;                // the compute stream idle before the step's computations
   double link_busy_seconds = 0;            // per step
+  double activations_out_busy_seconds = 0; // per step: the device->host channel
   std::vector<ComputeRecord> computations; // of the (measured) step(s), in order
 };
 

@@ -42,6 +42,7 @@ struct Task {
   int64_t tag = -1;
   bool copy = false; // busy: a copy (else a computation)
   bool to_device = true;
+  bool activations = false; // a copy of offloaded activations: not the engine's, not observed
   std::size_t bytes = 0;
   std::shared_ptr<Mark> mark; // wait, record
 };
@@ -98,7 +99,9 @@ struct TimedDevice::State {
   mutable std::mutex mutex;
   std::condition_variable marked; // a mark completed
   bool stopping = false;
-  StreamState streams[2]; // compute, copy
+  // compute, copy, and the device->host channel of offloaded activations (copy_out_after_compute)
+  StreamState streams[3];
+  static constexpr int kActivationsOut = 2;
   const uint64_t id = next_id.fetch_add(1) + 1;
   double host_time = 0; // the host's clock (Note [device time])
   Clock::time_point epoch = Clock::now();
@@ -124,11 +127,13 @@ struct TimedDevice::State {
   // The host waited until device time `time` (or not at all, when it is past).
   void host_resumes_locked(double time) { host_time = std::max(host_now_locked(), time); }
 
-  void enqueue(Stream stream, Task task) {
+  void enqueue(Stream stream, Task task) { enqueue_on(index(stream), std::move(task)); }
+
+  void enqueue_on(int s, Task task) {
     {
       std::lock_guard lock(mutex);
       task.enqueued = host_now_locked();
-      streams[index(stream)].queue.push_back(std::move(task));
+      streams[s].queue.push_back(std::move(task));
     }
     // No wake-up here: the streams run when someone waits (wake_streams), so the host pays a
     // lock per call, not a thread wake-up; in device time nothing changes.
@@ -189,8 +194,8 @@ struct TimedDevice::State {
         last_compute_end = stream.free;
         break;
       }
-      link_busy += task.seconds;
-      if (observer) {
+      (&stream == &streams[kActivationsOut] ? activations_out_busy : link_busy) += task.seconds;
+      if (observer && !task.activations) {
         const CopyObserver notify = observer;
         const CopyRecord record{task.to_device, task.bytes, task.tag, at(start), at(stream.free)};
         lock.unlock();
@@ -216,6 +221,7 @@ struct TimedDevice::State {
   }
 
   double last_compute_end = 0;
+  double activations_out_busy = 0;
   double disk_busy = 0;
   double disk_free = 0; // one disk for every engine's reader
 };
@@ -364,7 +370,7 @@ TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<S
                   options.link.bytes_per_second, " and ", options.link.latency_seconds);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
-  for (int s = 0; s < 2; ++s) {
+  for (int s = 0; s < 3; ++s) {
     state_->streams[s].thread = std::thread([state = state_.get(), s] { state->run(s); });
   }
 }
@@ -474,14 +480,69 @@ double TimedDevice::now() const {
 }
 
 double TimedDevice::finish() {
-  TimedEvent compute_done(state_->id), copy_done(state_->id);
-  record(compute_done, Stream::compute);
-  record(copy_done, Stream::copy);
-  const double a = state_->wait_for(compute_done.mark);
-  const double b = state_->wait_for(copy_done.mark);
+  double end = 0;
+  for (int s = 0; s < 3; ++s) {
+    Task task;
+    task.kind = Task::Kind::record;
+    task.mark = std::make_shared<Mark>();
+    const std::shared_ptr<Mark> mark = task.mark;
+    state_->enqueue_on(s, std::move(task));
+    end = std::max(end, state_->wait_for(mark));
+  }
   std::lock_guard lock(state_->mutex);
-  state_->host_resumes_locked(std::max(a, b));
-  return std::max(a, b);
+  state_->host_resumes_locked(end);
+  return end;
+}
+
+// Offloaded activations: the channel out waits for the compute stream's work so far (the block
+// that saved them), as the front end's device->host stream waits on an event of the compute
+// stream; the copy back waits for the copy out and for the compute stream's work so far (the
+// memory it fills was allocated there).
+std::unique_ptr<Event> TimedDevice::copy_out_after_compute(std::size_t bytes) {
+  auto computed = std::make_unique<TimedEvent>(state_->id);
+  record(*computed, Stream::compute);
+  const int s = state_->options.link.duplex ? State::kActivationsOut : 1;
+  Task wait;
+  wait.kind = Task::Kind::wait;
+  wait.mark = computed->mark;
+  state_->enqueue_on(s, std::move(wait));
+  Task copy;
+  copy.kind = Task::Kind::busy;
+  copy.seconds = state_->options.link.seconds(bytes);
+  copy.copy = true;
+  copy.to_device = false;
+  copy.activations = true;
+  copy.bytes = bytes;
+  state_->enqueue_on(s, std::move(copy));
+  auto done = std::make_unique<TimedEvent>(state_->id);
+  done->mark = std::make_shared<Mark>();
+  Task record_done;
+  record_done.kind = Task::Kind::record;
+  record_done.mark = done->mark;
+  state_->enqueue_on(s, std::move(record_done));
+  return done;
+}
+
+std::unique_ptr<Event> TimedDevice::copy_in_after(std::size_t bytes, const Event& out) {
+  TimedEvent computed(state_->id);
+  record(computed, Stream::compute);
+  wait(Stream::copy, computed);
+  wait(Stream::copy, out);
+  Task copy;
+  copy.kind = Task::Kind::busy;
+  copy.seconds = state_->options.link.seconds(bytes);
+  copy.copy = true;
+  copy.activations = true;
+  copy.bytes = bytes;
+  state_->enqueue(Stream::copy, std::move(copy));
+  auto done = make_event();
+  record(*done, Stream::copy);
+  return done;
+}
+
+double TimedDevice::activations_out_busy_seconds() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->activations_out_busy;
 }
 
 std::vector<ComputeRecord> TimedDevice::take_compute_log() {

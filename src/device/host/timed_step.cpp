@@ -2,6 +2,7 @@
 // calls (run_block's enter, compute, leave; the backward's acquire_for_backward) with modelled
 // computations, so that a step's time is measured without tensors.
 #include <algorithm>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -13,16 +14,62 @@ namespace blockswap {
 
 namespace {
 
+// Offloaded activations (BlockTiming::activation_bytes), every list's blocks numbered in the
+// forward order, as the front end moves them (Note [offloaded activations] in
+// src/torch/activation_offload.cpp; the simulator plays the same rules): a block's activations
+// go out when the next block's forward starts, and at a block's backward its own come back if
+// nothing brought them yet, compute waits for them, and the block before it starts coming back.
+class Activations {
+public:
+  explicit Activations(std::span<const TimedList> lists) {
+    for (const TimedList& list : lists) {
+      const auto n = static_cast<std::size_t>(list.engine->blocks());
+      const std::vector<std::size_t>& a = list.timing->activation_bytes;
+      BLOCKSWAP_CHECK(a.empty() || a.size() == n, "time_step: the engine has ", n,
+                      " blocks but the timing ", a.size(), " activation sizes");
+      for (std::size_t b = 0; b < n; ++b) bytes_.push_back(a.empty() ? 0 : a[b]);
+    }
+    out_.resize(bytes_.size());
+    in_.resize(bytes_.size());
+  }
+
+  void forward_starts(TimedDevice& device, std::size_t g) {
+    if (pending_ >= 0) {
+      const auto p = static_cast<std::size_t>(pending_);
+      out_[p] = device.copy_out_after_compute(bytes_[p]);
+    }
+    pending_ = bytes_[g] > 0 ? static_cast<int64_t>(g) : -1;
+  }
+
+  void backward_starts(TimedDevice& device, std::size_t g) {
+    restore(device, g);
+    if (in_[g]) device.wait(Stream::compute, *in_[g]);
+    if (g > 0) restore(device, g - 1);
+  }
+
+private:
+  void restore(TimedDevice& device, std::size_t g) {
+    if (out_[g] && !in_[g]) in_[g] = device.copy_in_after(bytes_[g], *out_[g]);
+  }
+
+  std::vector<std::size_t> bytes_;
+  std::vector<std::unique_ptr<Event>> out_, in_;
+  int64_t pending_ = -1; // the block whose activations go out next
+};
+
 // One pass of every list forward: enter, compute, leave, as the front end's run_block does.
 void forward_pass(TimedDevice& device, std::span<const TimedList> lists, Compute compute,
-                  std::vector<std::vector<const Buffer*>>& computed_in) {
+                  std::vector<std::vector<const Buffer*>>& computed_in,
+                  Activations* activations = nullptr) {
   for (const TimedList& list : lists) list.engine->prepare();
+  std::size_t g = 0;
   for (std::size_t l = 0; l < lists.size(); ++l) {
     Engine& engine = *lists[l].engine;
     computed_in[l].clear();
-    for (int64_t b = 0; b < engine.blocks(); ++b) {
+    for (int64_t b = 0; b < engine.blocks(); ++b, ++g) {
       const Entered entered = engine.enter(b, compute);
       computed_in[l].push_back(entered.slot.get());
+      if (activations) activations->forward_starts(device, g);
       device.compute(lists[l].timing->forward_seconds[b], b);
       engine.leave(b, compute);
     }
@@ -31,12 +78,16 @@ void forward_pass(TimedDevice& device, std::span<const TimedList> lists, Compute
 
 // Every list backward in the reverse order, as autograd runs the blocks' backward functions.
 void backward_pass(TimedDevice& device, std::span<const TimedList> lists,
-                   const std::vector<std::vector<const Buffer*>>& computed_in) {
+                   const std::vector<std::vector<const Buffer*>>& computed_in,
+                   Activations& activations) {
+  std::size_t g = 0;
+  for (const TimedList& list : lists) g += static_cast<std::size_t>(list.engine->blocks());
   for (std::size_t l = lists.size(); l-- > 0;) {
     Engine& engine = *lists[l].engine;
     const BlockTiming& timing = *lists[l].timing;
     for (int64_t b = engine.blocks() - 1; b >= 0; --b) {
       engine.acquire_for_backward(b, computed_in[l][b]);
+      activations.backward_starts(device, --g);
       device.compute(timing.forward_seconds[b] * timing.backward_factor, b);
     }
   }
@@ -71,11 +122,14 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
   TimedStep step;
   if (training) {
     const double link_before = device.link_busy_seconds();
+    const double out_before = device.activations_out_busy_seconds();
     const double start = device.now();
-    forward_pass(device, lists, compute, computed_in);
-    backward_pass(device, lists, computed_in);
+    Activations activations(lists);
+    forward_pass(device, lists, compute, computed_in, &activations);
+    backward_pass(device, lists, computed_in, activations);
     step.step_seconds = device.finish() - start;
     step.link_busy_seconds = device.link_busy_seconds() - link_before;
+    step.activations_out_busy_seconds = device.activations_out_busy_seconds() - out_before;
     step.computations = device.take_compute_log();
     if (!step.computations.empty()) {
       // The first computation's idle time reaches back before the step: from its start only.
