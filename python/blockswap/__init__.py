@@ -23,12 +23,14 @@ from . import _compat
 _compat.check_torch()
 _C = _compat.load_extension()
 
+from ._activations import saved_activation_bytes  # noqa: E402
 from ._distributed import node_memory_use  # noqa: E402
 from ._offloader import ModelOffloader, open_device  # noqa: E402
 from ._optim import FusedAdamW, FusedSGD  # noqa: E402
 
 __all__ = ["ModelOffloader", "Device", "open_device", "Error", "InvalidArgumentError",
-           "OutOfMemoryError", "FusedSGD", "FusedAdamW", "node_memory_use"]
+           "OutOfMemoryError", "FusedSGD", "FusedAdamW", "node_memory_use",
+           "saved_activation_bytes"]
 
 Error = _C.Error
 InvalidArgumentError = _C.InvalidArgumentError  # an option out of range; also a ValueError

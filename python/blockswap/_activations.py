@@ -394,3 +394,26 @@ class BlockActivations:
         hooks.__exit__(exc_type, exc, tb)
         return False
 
+
+def saved_activation_bytes(block, *args, **kwargs):
+    """Runs ``block(*args, **kwargs)`` with grad on and returns ``(output, bytes)``: the bytes
+    of the distinct storages its forward saves for backward, its own parameters and buffers
+    left out: what ``offload_activations`` would move for it (with threshold 0), and what
+    ``blockswap plan --activation-bytes`` takes. The output's graph is live: backward it, or
+    drop it."""
+    weights = block_storages(block)
+    seen = {}
+
+    def pack(tensor):
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without one storage
+            return tensor
+        if storage.data_ptr() not in weights and not isinstance(tensor, _torch.nn.Parameter):
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with _torch.enable_grad(), _torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        output = block(*args, **kwargs)
+    return output, sum(seen.values())
+

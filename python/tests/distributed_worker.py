@@ -60,9 +60,11 @@ def train(rank, scenario, swapped, group, first):
                 for p in model.parameters():
                     if not p.requires_grad:
                         p.fill_(7.0)
+        # "activations": each rank also offloads what its blocks save for backward
+        offload = scenario == "activations"
         model.offloader = blockswap.ModelOffloader(
             "block", model.blocks, BLOCKS, SWAPPED, True, "cpu", False,
-            process_group=group)
+            process_group=group, offload_activations=offload, activation_threshold_bytes=0)
         if scenario != "forgot_exclude":
             model.offloader.exclude_from_ddp(model)
     # a bucket per few adapters
@@ -77,6 +79,10 @@ def train(rank, scenario, swapped, group, first):
         optimizer.step()
         optimizer.zero_grad()
     adapters = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    if model.offloader is not None and scenario == "activations":
+        stats = model.offloader.stats()
+        assert stats["activation_offloaded_bytes"] > 0, stats
+        assert stats["activation_restored_bytes"] == stats["activation_offloaded_bytes"], stats
     dist.barrier()  # every rank maps the node's memory now
     use = blockswap.node_memory_use()
     dist.barrier()

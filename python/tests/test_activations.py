@@ -305,3 +305,22 @@ def test_hook_blocks_at_the_largest_k_never_offloads_a_weight(n):
     assert_bitwise(expected, step(blocks, o.prepare_block_devices_before_forward))
     o.close()
 
+
+def test_saved_activation_bytes_is_what_offloading_moves():
+    """blockswap.saved_activation_bytes (for plan --activation-bytes) against the bytes the
+    offloader moves for a block that is not the last (threshold 0)."""
+    torch.manual_seed(0)
+    blocks = [LinearBlock() for _ in range(3)]
+    x = torch.randn(2, TOKENS, DIM, requires_grad=True)
+    out, measured = blockswap.saved_activation_bytes(blocks[0], x)
+    assert out.shape == x.shape and out.grad_fn is not None
+    # x, base(x) + ..., the adapters' two products, tanh's output: weights and adapters excluded
+    assert measured > 2 * TOKENS * DIM * 4
+    o = blockswap.ModelOffloader("blocks", blocks, 3, 0, True, "cpu", False,
+                                 offload_activations=True, activation_threshold_bytes=0)
+    o.reset_stats()
+    h = blocks[0](x)
+    blocks[1](h)  # opening block 1's group sends block 0's out
+    assert o.stats()["activation_offloaded_bytes"] == measured
+    o.close()
+

@@ -53,6 +53,15 @@ def test_every_rank_trains_exactly_on_one_host_copy(tmp_path, world):
     assert private < 0.1 * results[0]["copy_bytes"]
 
 
+def test_every_rank_offloads_its_own_activations_exactly(tmp_path):
+    codes, results, errors = run_job(tmp_path, 2, "activations")
+    assert codes == [0, 0], errors
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"], "with offloaded activations the adapters differ from the job's"
+        assert r["same_as_rank0"], "the ranks' adapters differ"
+
+
 def test_subgroups_on_one_store_keep_their_own_copies(tmp_path):
     """Two data-parallel jobs of 2 ranks each, as subgroups of one 4-rank world (one store)."""
     codes, results, errors = run_job(tmp_path, 4, "subgroups")
