@@ -313,16 +313,16 @@ std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* con
   };
   for (const Schedule* schedule : schedules) { // the first schedule's moved blocks first
     std::vector<bool> moved(static_cast<std::size_t>(blocks), false);
+    std::vector<int64_t> in_order; // moved, in the order a pass first loads them
     for (const Op& op : schedule->pass()) {
-      if (op.kind == Op::Kind::move) moved[static_cast<std::size_t>(op.move.in)] = true;
+      if (op.kind != Op::Kind::move || moved[static_cast<std::size_t>(op.move.in)]) continue;
+      moved[static_cast<std::size_t>(op.move.in)] = true;
+      in_order.push_back(op.move.in);
     }
-    std::vector<int64_t> in_order; // moved, in block order
-    for (int64_t b = 0; b < blocks; ++b) {
-      if (moved[static_cast<std::size_t>(b)]) in_order.push_back(b);
-    }
-    // Spread: every prefix of the order is spaced evenly over the moved blocks (bit-reversed
-    // positions), so that the blocks left in the file alternate with blocks held, and the disk
-    // reads ahead while the link copies held blocks instead of reading a run of them in turn.
+    // Spread: every prefix of the order is spaced evenly over the pass's loads (bit-reversed
+    // positions), so that the blocks left in the file alternate in time with blocks held, the
+    // turn from forward to backward included, and the disk reads ahead while the link copies
+    // held blocks instead of reading a run of them in turn.
     const auto m = static_cast<uint64_t>(in_order.size());
     int bits = 0;
     while ((uint64_t{1} << bits) < m) ++bits;

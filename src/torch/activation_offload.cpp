@@ -483,7 +483,13 @@ ActivationScope::ActivationScope(c10::Device device, std::string label,
   if (!at::GradMode::is_enabled() || torch_frontend::in_backward()) return;
   torch_frontend::install_saved_tensor_hooks();
   auto state = std::make_shared<State>();
-  state->store = torch_frontend::store_for(device);
+  try {
+    state->store = torch_frontend::store_for(device);
+  } catch (const c10::Error& e) { // a LibTorch without that device's streams
+    throw Error(detail::concat("[", label, "] offloaded activations on ", device.str(),
+                               ": this LibTorch cannot use it (", e.what_without_backtrace(),
+                               "); use the device the model computes on"));
+  }
   state->threshold_bytes = threshold_bytes;
   state->weight_tensors = weights;
   state->group = state->store->open_group(std::move(label)); // may throw: nothing changed yet

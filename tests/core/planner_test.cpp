@@ -154,37 +154,41 @@ TEST(Planner, SizesTooLargeToAddUpAreErrors) {
 // the order (every host budget) leaves the blocks read from the file between blocks held: the
 // disk reads ahead while the link copies held blocks.
 TEST(Planner, HostPriorityGivesTheMovedBlocksFirstSpreadEvenly) {
-  const Schedule training(
-      ScheduleOptions{.blocks = 10, .blocks_to_swap = 8, .mode = Mode::training});
-  const Schedule* schedules[] = {&training};
-  std::vector<bool> moved(10, false);
-  for (const Op& op : training.pass()) {
-    if (op.kind == Op::Kind::move) moved[op.move.in] = true;
-  }
-  const std::vector<int64_t> order = host_priority(10, schedules);
-  ASSERT_EQ(order.size(), 10u);
-  std::vector<int64_t> moved_blocks;
-  for (int64_t b = 0; b < 10; ++b) {
-    if (moved[b]) moved_blocks.push_back(b);
-  }
-  const auto m = static_cast<int64_t>(moved_blocks.size());
-  ASSERT_GE(m, 4);
-  for (int64_t i = 0; i < m; ++i) EXPECT_TRUE(moved[order[i]]) << "place " << i;
-  for (int64_t i = m; i < 10; ++i) EXPECT_FALSE(moved[order[i]]) << "place " << i;
-  // Each prefix of the moved blocks: no two adjacent moved blocks both left out while a gap of
-  // more than ceil(m / prefix) moved blocks separates two held ones.
-  for (int64_t prefix = 1; prefix <= m; ++prefix) {
-    std::vector<int64_t> held_positions;
-    for (int64_t i = 0; i < prefix; ++i) {
-      held_positions.push_back(std::find(moved_blocks.begin(), moved_blocks.end(), order[i]) -
-                               moved_blocks.begin());
+  // FLUX's double blocks and Wan 14B with half of them swapped, and a swap of most blocks.
+  for (const auto& [n, k] : std::vector<std::pair<int64_t, int64_t>>{{19, 9}, {40, 20}, {10, 8}}) {
+    const Schedule training(
+        ScheduleOptions{.blocks = n, .blocks_to_swap = k, .mode = Mode::training});
+    const Schedule* schedules[] = {&training};
+    std::vector<bool> moved(static_cast<std::size_t>(n), false);
+    std::vector<int64_t> moved_blocks; // in the order the step loads them: the spread is in time
+    for (const Op& op : training.pass()) {
+      if (op.kind == Op::Kind::move && !moved[op.move.in]) {
+        moved[op.move.in] = true;
+        moved_blocks.push_back(op.move.in);
+      }
     }
-    std::sort(held_positions.begin(), held_positions.end());
-    held_positions.push_back(m + held_positions.front()); // round the pass
-    const int64_t most = 2 * ((m + prefix - 1) / prefix);
-    for (std::size_t i = 0; i + 1 < held_positions.size(); ++i) {
-      EXPECT_LE(held_positions[i + 1] - held_positions[i], most)
-          << "held " << prefix << " of " << m << " moved blocks";
+    const std::vector<int64_t> order = host_priority(n, schedules);
+    ASSERT_EQ(order.size(), static_cast<std::size_t>(n));
+    const auto m = static_cast<int64_t>(moved_blocks.size());
+    ASSERT_GE(m, 4);
+    for (int64_t i = 0; i < m; ++i) EXPECT_TRUE(moved[order[i]]) << "place " << i;
+    for (int64_t i = m; i < n; ++i) EXPECT_FALSE(moved[order[i]]) << "place " << i;
+    // Each prefix of the order (each host budget): no two held loads further apart than twice
+    // ceil(m / prefix) loads, around the step (the backward's last load, then the forward's
+    // first).
+    for (int64_t prefix = 1; prefix <= m; ++prefix) {
+      std::vector<int64_t> held_positions;
+      for (int64_t i = 0; i < prefix; ++i) {
+        held_positions.push_back(std::find(moved_blocks.begin(), moved_blocks.end(), order[i]) -
+                                 moved_blocks.begin());
+      }
+      std::sort(held_positions.begin(), held_positions.end());
+      held_positions.push_back(m + held_positions.front()); // round the step
+      const int64_t most = 2 * ((m + prefix - 1) / prefix);
+      for (std::size_t i = 0; i + 1 < held_positions.size(); ++i) {
+        EXPECT_LE(held_positions[i + 1] - held_positions[i], most)
+            << "N " << n << ", K " << k << ": held " << prefix << " of " << m << " moved blocks";
+      }
     }
   }
 }

@@ -68,8 +68,7 @@ TEST(TimedActivations, TheEngineAgreesWithTheSimulator) {
           EXPECT_NEAR(measured.step_seconds / predicted.step_seconds, 1.0, 0.02)
               << what << ": measured " << measured.step_seconds << " s, simulated "
               << predicted.step_seconds << " s";
-          EXPECT_GE(measured.step_seconds,
-                    step_bound(engine.schedule(), timing, link) * (1 - 1e-6))
+          EXPECT_GE(measured.step_seconds, step_bound(engine.schedule(), timing, link) * (1 - 1e-6))
               << what;
           EXPECT_NEAR(measured.activations_out_busy_seconds,
                       duplex ? predicted.d2h_busy_seconds : 0.0, 1e-6)
@@ -98,9 +97,8 @@ TEST(TimedActivations, TwoListsHandOverAsTheSimulatorSays) {
   EXPECT_NEAR(measured.step_seconds / predicted.step_seconds, 1.0, 0.02);
   EXPECT_GE(measured.step_seconds, step_bound(simulated, link) * (1 - 1e-9));
   // Every block's activations but the last single block's go out.
-  EXPECT_NEAR(measured.activations_out_busy_seconds, 6 * link.seconds(60'000'000) +
-                                                         11 * link.seconds(30'000'000),
-              1e-9);
+  EXPECT_NEAR(measured.activations_out_busy_seconds,
+              6 * link.seconds(60'000'000) + 11 * link.seconds(30'000'000), 1e-9);
 }
 
 } // namespace

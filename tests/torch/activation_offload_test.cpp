@@ -256,6 +256,14 @@ TEST(ActivationOffload, AnActivationWrittenInPlaceAfterItWasSavedRaises) {
   expect_error([&] { x.sum().backward(); }, "modified by an inplace operation");
 }
 
+#ifndef BLOCKSWAP_TEST_CUDA
+TEST(ActivationOffload, ADeviceThisLibTorchLacksIsABlockswapError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a GPU is present";
+  // Outside tester: LibTorch's own c10::Error escaped the scope's constructor.
+  EXPECT_THROW(ActivationScope(c10::Device(c10::kCUDA, 0), "blocks.0", {}, 0), Error);
+}
+#endif
+
 TEST(ActivationOffload, InferenceSavesNothing) {
   const Inputs in;
   Model model(4);

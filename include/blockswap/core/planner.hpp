@@ -72,7 +72,9 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
 
 // The order in which blocks are given host memory that is scarce (the file tier's budget,
 // pinned memory where the system caps it): the blocks a pass of `schedules[0]` loads by a move,
-// in block order, then those of `schedules[1]`, then the blocks that never move.
+// spread over the order the pass loads them (every prefix of the order, every budget, leaves
+// blocks held alternating in time with the others, the turn from forward to backward included),
+// then those of `schedules[1]`, then the blocks that never move.
 std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* const> schedules);
 
 // The file tier (DESIGN.md, "Tiers"): per block, whether its bytes are read from the model's file

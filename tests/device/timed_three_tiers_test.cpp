@@ -1,0 +1,72 @@
+// The three tiers (device slots, pinned host memory, the file) on the timed device, at the real
+// shapes where the disk is close to the bound: the training step within 2 % of T* (issue 27's
+// target), which the host budget's spread over the step's loads in time makes (host_priority).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/engine.hpp"
+#include "blockswap/core/simulator.hpp"
+#include "blockswap/device/device.hpp"
+#include "blockswap/device/timed.hpp"
+
+namespace blockswap {
+namespace {
+
+struct Shape {
+  std::vector<int64_t> blocks;
+  std::vector<std::size_t> bytes;
+};
+
+// step / T* and disk / T* for one training step with `held` of each list's moved blocks in host
+// memory, K half of each list.
+std::pair<double, double> train(const Shape& shape, double ratio, double held, double disk) {
+  const LinkModel link{25e9, 5e-6, disk, 2};
+  auto timed = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
+  Device device(timed);
+  std::vector<std::unique_ptr<Engine>> engines;
+  std::vector<BlockTiming> timings;
+  for (std::size_t l = 0; l < shape.blocks.size(); ++l) {
+    const int64_t n = shape.blocks[l], k = n / 2;
+    const std::size_t bytes = shape.bytes[l];
+    EngineOptions options{.blocks_to_swap = k, .supports_backward = true};
+    options.trainable_bytes.assign(static_cast<std::size_t>(n), 0);
+    // Training moves 2K blocks a step.
+    options.file =
+        FileTier{"", std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
+                 static_cast<std::size_t>(held * double(2 * k)) * bytes, 2, CacheBypass::direct};
+    engines.push_back(std::make_unique<Engine>(device.attach("list " + std::to_string(l)),
+                                               std::vector<std::size_t>(n, bytes), options));
+    BlockTiming timing = uniform_timing(n, link.seconds(bytes) / ratio, bytes, 2.0);
+    for (int64_t b = 0; b < n; ++b) timing.from_file.push_back(engines.back()->in_file(b));
+    timings.push_back(std::move(timing));
+  }
+  std::vector<TimedList> lists;
+  std::vector<SimulatedList> simulated;
+  for (std::size_t l = 0; l < engines.size(); ++l) {
+    lists.push_back({engines[l].get(), &timings[l]});
+    simulated.push_back({&engines[l]->schedule(), &timings[l]});
+  }
+  const double bound = step_bound(simulated, link);
+  const Simulation predicted = simulate(simulated, link);
+  return {time_step(*timed, lists).step_seconds / bound, predicted.disk_busy_seconds / bound};
+}
+
+TEST(TimedThreeTiers, TrainingWithASlowDiskThatIsNotTheBoundStaysWithinTwoPercentOfTheBound) {
+  const Shape flux{{19, 38}, {679'200'000, 283'200'000}}, wan{{40}, {702'000'000}};
+  // The rows that were 1.022-1.092 of T* with the budget spread in block order.
+  for (const auto& [shape, ratio, held] : std::vector<std::tuple<Shape, double, double>>{
+           {flux, 0.5, 0.5}, {flux, 1.0, 0.75}, {wan, 0.5, 0.5}, {wan, 1.0, 0.75}}) {
+    const auto [step, disk] = train(shape, ratio, held, 3e9);
+    const std::string what = std::to_string(shape.blocks.size()) + " lists, copy/compute " +
+                             std::to_string(ratio) + ", held " + std::to_string(held);
+    EXPECT_LT(disk, 1.0) << what; // the disk is not the bound
+    EXPECT_LE(step, 1.02) << what;
+    EXPECT_GE(step, 1.0 - 1e-6) << what;
+  }
+}
+
+} // namespace
+} // namespace blockswap
