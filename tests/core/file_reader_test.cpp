@@ -90,7 +90,7 @@ void expect_error(const std::function<void()>& f, const std::vector<std::string>
 class FileReaderTest : public ::testing::TestWithParam<CacheBypass> {};
 
 TEST_P(FileReaderTest, ReadsEveryBlockExactlyInTheOrderAsked) {
-  // Tensors larger than the 8 MiB bounce window, and small ones, across window edges.
+  // Small tensors, and tensors across the edges of the reader's 8 MiB reads.
   for (const std::size_t tensor : {std::size_t{1000}, std::size_t{3} << 20}) {
     const std::vector<FileBlock> blocks = blocks_of(5, 3, tensor);
     const TestFile file(13 + 5 * 3 * tensor + 100);
@@ -108,6 +108,38 @@ TEST_P(FileReaderTest, ReadsEveryBlockExactlyInTheOrderAsked) {
       EXPECT_FALSE(reader.direct());
     }
     std::cout << "O_DIRECT: " << (reader.direct() ? "yes" : "no (buffered, DONTNEED)") << "\n";
+  }
+}
+
+// Blocks of nine 8 MiB reads, one more than the reader's eight bounce parts: a part is read
+// again as soon as it is copied out, and the parts a block leaves free read the first parts of
+// the block asked for next (Note [reading across blocks]).
+// Read in the order asked, every block is exact; when the order changes after that read
+// (cancel), the window read ahead is dropped and the blocks asked for instead are exact.
+TEST_P(FileReaderTest, ReadingAheadIntoTheNextBlockKeepsEveryBlockExactWhenTheOrderChanges) {
+  const std::size_t tensor = std::size_t{22} << 20; // a block: 66 MiB and the gaps
+  const std::vector<FileBlock> blocks = blocks_of(4, 3, tensor);
+  const TestFile file(13 + 4 * 3 * tensor);
+  FileReader reader(file.path.string(), blocks, ring(2, blocks[0].bytes), "blocks", GetParam());
+  for (int64_t b : {0, 1, 2, 3, 1}) reader.request(b);
+  for (int64_t b : {0, 1}) {
+    const FileReader::Staged staged = reader.next();
+    ASSERT_EQ(staged.block, b);
+    expect_block(file, blocks[b], staged.buffer->data());
+    reader.release(staged);
+  }
+  // Block 2 read whole, so block 3's first parts were read ahead; then 3 and 1 are forgotten.
+  const FileReader::Staged two = reader.next();
+  ASSERT_EQ(two.block, 2);
+  reader.cancel();
+  expect_block(file, blocks[2], two.buffer->data());
+  reader.release(two);
+  for (int64_t b : {0, 3, 3, 2}) reader.request(b);
+  for (int64_t b : {0, 3, 3, 2}) {
+    const FileReader::Staged staged = reader.next();
+    ASSERT_EQ(staged.block, b);
+    expect_block(file, blocks[b], staged.buffer->data());
+    reader.release(staged);
   }
 }
 

@@ -2,8 +2,8 @@
 // model's file (the file tier), or in host memory the system would not pin (Note [pageable host
 // memory] in engine_staging.cpp); a reader thread reads each requested block, in the order asked,
 // into the next buffer of a small staging ring (pinned, from the backend), from which the copy
-// stream copies it to the device. Host memory stays bounded: the ring, and two aligned bounce
-// windows.
+// stream copies it to the device. Host memory stays bounded: the ring, and a ring of aligned
+// bounce parts (64 MiB).
 //
 // Reads bypass the page cache (Note [reading past the page cache] in file_reader.cpp), so that
 // host memory stays what blockswap holds and the bandwidth measured is the disk's.
@@ -18,6 +18,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -155,9 +156,16 @@ private:
 
   void give_buffers(); // under the lock: free buffers to the oldest requests without one
   void run();
+  // An aligned stretch of the file read into one bounce part.
+  struct Part {
+    uint64_t at = 0, want = 0;
+  };
+  std::vector<Part> parts_of(int64_t block) const; // those that cover its ranges, in file order
   void read_block(int64_t block, std::byte* into);
+  void issue(int64_t block, std::size_t part, Part stretch); // into the next bounce part
+  void drop_reads();                                         // waits for those in flight
+  int64_t block_after() const; // the block asked for after the one being read (-1: none)
   void copy_block(int64_t block, std::byte* into) const;
-  uint64_t read_window(int64_t block, std::byte* bounce, uint64_t window, uint64_t want);
   uint64_t read_part(int64_t block, std::byte* into, uint64_t offset, uint64_t bytes) const;
   void check_unchanged(int64_t block) const;
 
@@ -168,9 +176,19 @@ private:
   bool direct_ = false;
   uint64_t size_ = 0;
   int64_t modified_ns_ = 0, changed_ns_ = 0; // its mtime and ctime when opened (file_reader.cpp)
-  // Two windows: one is read while the other is copied out (Note [reading past the page cache]).
+  // The bounce parts, read into in turn: the disk reads the next ones while the oldest is
+  // copied out (Note [reading past the page cache]).
   std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, nullptr};
-  std::size_t bounce_bytes_ = 0; // each window's
+  std::size_t next_part_ = 0; // the bounce part the next read goes to
+  // The thread's: the parts' reads in flight, oldest first, the next block's first parts after
+  // the block being read (Note [reading across blocks]).
+  struct InFlight {
+    int64_t block = -1;
+    std::size_t part = 0;
+    std::byte* bounce = nullptr;
+    std::future<uint64_t> got;
+  };
+  std::deque<InFlight> in_flight_;
 
   const std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
   std::deque<Free> free_;                   // in the order they are given out
