@@ -170,6 +170,31 @@ def test_a_failed_constructor_leaves_meta_blocks_meta(files):
     assert all(p.is_meta for p in model.transformer_blocks.parameters())
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_writing_a_block_that_never_moves_raises_at_the_next_pass(files, k):
+    """A block read from the file that is on the device when written (K = 0: every block, for
+    good) has no host copy to keep the write in either: the next pass raises, as for a block
+    that moves, instead of computing with weights that close() would silently drop."""
+    plain = build("flux")
+    model = build("flux")
+    offloaders = swap(model, "flux", k, supports_backward=False, weights_file=files["flux"],
+                      host_budget_bytes=0)
+    infer(model, "flux", offloaders)
+    on = max(i for i in range(4) if offloaders[0].is_resident(i))
+    assert offloaders[0].is_in_file(on)
+    weight = model.transformer_blocks[on].ff.net[2].weight
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(blockswap.Error, match=f"'ff.net.2.weight' of block {on} were changed"):
+        infer(model, "flux", offloaders)
+    assert torch.equal(weight.detach().cpu(), plain.transformer_blocks[on].ff.net[2].weight)
+    assert_bitwise(infer(model, "flux", offloaders), infer(plain, "flux"))
+    for o in offloaders:
+        o.close()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+
+
 @pytest.mark.parametrize("ckpt", ["non_reentrant", "reentrant"])
 def test_k0_with_the_file_and_checkpointing_is_bitwise(files, ckpt):
     """K = 0 with weights_file (every block on the device, read from the file once), as the
@@ -221,11 +246,11 @@ def test_parameters_replaced_after_a_build_from_meta_are_the_new_ones(files, tmp
     assert_bitwise(infer(model, "flux", offloaders), expected)
 
 
-@pytest.mark.parametrize("how", ["delete", "rename"])
+@pytest.mark.parametrize("how", ["delete", "replace", "rename"])
 def test_a_file_deleted_or_renamed_under_the_run_keeps_the_weights(files, tmp_path, how):
-    """The mapped file lives while it is mapped: deleted, the run goes on exactly; renamed, the
-    reader's next read refuses it (changed since opened) with an error that says to build a new
-    offloader.
+    """The mapped file lives while it is mapped: deleted, or another file moved over its name,
+    the run goes on exactly with the old contents; renamed, the reader's next read refuses it
+    (changed since opened) with an error that says to build a new offloader.
     Either way the model's weights keep their values, during the run and after close()."""
     import os
     import shutil
@@ -237,8 +262,14 @@ def test_a_file_deleted_or_renamed_under_the_run_keeps_the_weights(files, tmp_pa
     offloaders = swap(model, "flux", 2, supports_backward=False, weights_file=path,
                       host_budget_bytes=0)
     assert_bitwise(infer(model, "flux", offloaders, seed=1), expected[0])
-    if how == "delete":
-        os.unlink(path)
+    if how in ("delete", "replace"):
+        if how == "delete":
+            os.unlink(path)
+        else:  # other weights under the same name
+            other = tmp_path / "other.safetensors"
+            safetensors_torch.save_file(build("flux", lora=False, seed=9).state_dict(),
+                                        str(other))
+            os.replace(other, path)
         assert_bitwise(infer(model, "flux", offloaders, seed=2), expected[1])
     else:
         os.rename(path, tmp_path / "moved.safetensors")

@@ -146,9 +146,10 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
   std::error_code error;
   const auto type = std::filesystem::status(path, error).type();
   // A FIFO or a device would make the open below wait, or read forever.
-  BLOCKSWAP_CHECK(error || type == std::filesystem::file_type::regular ||
-                      type == std::filesystem::file_type::directory,
-                  "'", path, "' is not a regular file: give the model's .safetensors file");
+  BLOCKSWAP_CHECK(type != std::filesystem::file_type::directory, "'", path,
+                  "' is a directory: give the model's .safetensors file in it");
+  BLOCKSWAP_CHECK(error || type == std::filesystem::file_type::regular, "'", path,
+                  "' is not a regular file: give the model's .safetensors file");
   std::ifstream file(path, std::ios::binary | std::ios::ate);
   BLOCKSWAP_CHECK(file.is_open(), "cannot open '", path, "'");
   const auto file_size = static_cast<uint64_t>(file.tellg());

@@ -187,7 +187,12 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
 // every tensor of the block has been seen, one Error names them; the offloader goes on.
 void BlockBinder::raise_lost() {
   if (lost_.empty()) return;
-  // The other blocks in the file too, so that a write to many blocks costs one error.
+  check_file_tier_writes(); // the other blocks in the file too: many written, one error
+}
+
+void BlockBinder::check_file_tier_writes() {
+  if (in_file_.empty()) return;
+  const c10::InferenceMode normal(false); // Note [inference mode]
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     if (!in_file(static_cast<int64_t>(b))) continue;
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
@@ -198,6 +203,7 @@ void BlockBinder::raise_lost() {
       }
     }
   }
+  if (lost_.empty()) return;
   std::string names = lost_.front();
   for (std::size_t i = 1; i < lost_.size() && i < 3; ++i) names += ", " + lost_[i];
   if (lost_.size() > 3) names += detail::concat(" and ", lost_.size() - 3, " more");

@@ -65,6 +65,10 @@ public:
   // Copies what the caller wrote into block `block`'s tensors since blockswap bound them into
   // their host copy (which a step on the host is about to change).
   void save_caller_changes(int64_t block);
+  // Throws the Error of Note [changes to the file tier] when the caller changed a frozen tensor
+  // of a block in the file, wherever it is (at a pass's start: a block that never moves, K = 0,
+  // is seen by no move); the tensors hold the file's values again.
+  void check_file_tier_writes();
   // The host copy of that tensor (where it is now), whatever the tensor is bound to.
   at::Tensor host_copy(int64_t block, std::size_t index) const {
     return host_view(block, layouts_[block].tensors[index]);

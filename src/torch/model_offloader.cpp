@@ -225,6 +225,7 @@ public:
 
   void prepare() {
     binder_.check_still_frozen();
+    binder_.check_file_tier_writes();
     fine_tuner_.pass_starts();
     commit_write_backs(); // a pass that stopped before the last block left some
     engine_->prepare();

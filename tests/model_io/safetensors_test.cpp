@@ -127,5 +127,16 @@ TEST(Safetensors, ReadingAMissingFileNamesIt) {
   }
 }
 
+TEST(Safetensors, ADirectoryIsNamedAsOne) {
+  const std::string dir = std::filesystem::temp_directory_path().string();
+  try {
+    read_safetensors_header(dir);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'" + dir + "' is a directory"), std::string::npos)
+        << e.what();
+  }
+}
+
 } // namespace
 } // namespace blockswap

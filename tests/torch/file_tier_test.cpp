@@ -249,6 +249,32 @@ TEST(FileTier, ChangingAWeightReadFromTheFileRaisesAndKeepsTheFile) {
   expect_bitwise(infer(again, &fresh, 1), infer(plain, nullptr, 1));
 }
 
+// K = 0: every block stays on the device for good, so no move would ever see the write, and
+// close() would drop it; the next pass raises instead, as for a block that moves.
+TEST(FileTier, ChangingAWeightOfABlockThatNeverMovesRaisesAtTheNextPass) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
+  ModelOffloader offloader("blocks", model.modules(), file_tier(path, 0, 0, false));
+  infer(model, &offloader, 1);
+  torch::Tensor weight = model.blocks()[1]->named_parameters()["proj.weight"];
+  {
+    torch::NoGradGuard no_grad;
+    weight.mul_(2);
+  }
+  try {
+    infer(model, &offloader, 1);
+    FAIL() << "a change that cannot be kept was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'proj.weight' of block 1"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(torch::equal(model.blocks()[1]->named_parameters()["proj.weight"].cpu(),
+                           plain.blocks()[1]->named_parameters()["proj.weight"]));
+  expect_bitwise(infer(model, &offloader, 2), infer(plain, nullptr, 2));
+}
+
 TEST(FileTier, AFileTruncatedUnderTheRunIsAnError) {
   const Scratch scratch;
   const std::string path = saved(scratch);
