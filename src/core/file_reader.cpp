@@ -9,7 +9,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
-#include <system_error>
 
 #include "blockswap/core/error.hpp"
 
@@ -29,7 +28,7 @@ namespace {
 // of 4 MiB here) and reads a third faster than with 32 MiB. So there are eight parts of 8 MiB,
 // each read on a thread of its own as soon as it is free: while the oldest is copied out, the
 // other seven are in flight, and a part's read starts again the moment its copy-out ends, so
-// that the queue never drains between windows.
+// that the queue never drains within a block.
 // Note [reading across blocks]
 // Parts left over at the end of a block read the first parts of the block asked for next,
 // before that block's staging buffer is free, so that the disk is not idle at the turn from one
@@ -54,12 +53,21 @@ int64_t ns(const struct timespec& t) {
   return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
 }
 
+// Each block's ranges in file order, as parts_of and read_block walk them.
+std::vector<FileBlock> in_file_order(std::vector<FileBlock> blocks) {
+  for (FileBlock& b : blocks) {
+    std::sort(b.ranges.begin(), b.ranges.end(),
+              [](const FileRange& x, const FileRange& y) { return x.file_offset < y.file_offset; });
+  }
+  return blocks;
+}
+
 } // namespace
 
 FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
                        const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
                        CacheBypass bypass, Backend* backend)
-    : path_(std::move(path)), label_(std::move(label)), blocks_(std::move(blocks)),
+    : path_(std::move(path)), label_(std::move(label)), blocks_(in_file_order(std::move(blocks))),
       backend_(backend) {
   for (const auto& buffer : staging) free_.push_back(Free{buffer, {}});
   BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_,
@@ -324,11 +332,8 @@ uint64_t FileReader::read_part(int64_t block, std::byte* into, uint64_t offset,
 }
 
 std::vector<FileReader::Part> FileReader::parts_of(int64_t block) const {
-  std::vector<FileRange> ranges = blocks_[block].ranges;
-  std::sort(ranges.begin(), ranges.end(),
-            [](const FileRange& a, const FileRange& b) { return a.file_offset < b.file_offset; });
   std::vector<Part> parts;
-  for (const FileRange& r : ranges) {
+  for (const FileRange& r : blocks_[block].ranges) { // in file order (in_file_order)
     uint64_t at = align_down(r.file_offset);
     if (!parts.empty()) at = std::max(at, parts.back().at + parts.back().want);
     const uint64_t end = align_up(r.file_offset + r.bytes);
@@ -378,9 +383,7 @@ void FileReader::read_block(int64_t block, std::byte* into) {
   if (blocks_[block].ranges.empty()) return; // nothing of it in the file
   try {
     check_unchanged(block);
-    std::vector<FileRange> ranges = blocks_[block].ranges;
-    std::sort(ranges.begin(), ranges.end(),
-              [](const FileRange& a, const FileRange& b) { return a.file_offset < b.file_offset; });
+    const std::vector<FileRange>& ranges = blocks_[block].ranges;
     const std::vector<Part> parts = parts_of(block);
     std::size_t issued = in_flight_.size();
     int64_t after = -2; // the block asked for next, once looked up (-1: none, or not from the file)
