@@ -101,3 +101,21 @@ def saved_tensors_hooks_active():
     in charge)."""
     top = getattr(_torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return top is not None and top(False) is not None
+
+
+def compiled_fullgraph(module):
+    """Whether `module` runs compiled with fullgraph=True: torch.compile(module, fullgraph=True)
+    (an OptimizedModule) or module.compile(fullgraph=True) (diffusers' compile_repeated_blocks).
+    Reads dynamo's private context; False where this torch keeps it elsewhere."""
+    context = getattr(module, "dynamo_ctx", None)
+    if context is None:
+        compiled = getattr(module, "_compiled_call_impl", None)
+        for cell in getattr(compiled, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if hasattr(value, "fullgraph"):
+                context = value
+                break
+    return bool(getattr(context, "fullgraph", False))

@@ -87,8 +87,8 @@ class WaitHook(_Hook):
         for skipped in range(offloader._next_block, i):
             offloader._impl.bracket_outputs(skipped, [])
             offloader.submit_move_blocks_forward(skipped)
-        offloader._next_block = i + 1
-        offloader.wait_for_block(i)
+        offloader.wait_for_block(i)  # at block 0 it may build the offloader again, which
+        offloader._next_block = i + 1  # starts the count from 0 (Note [the model as it runs])
 
 
 class OutputHook(_Hook):

@@ -85,6 +85,13 @@ def manage(offloader, blocks):
         _managed[block] = _weakref.ref(offloader)
 
 
+def holder(block):
+    """The live offloader that swaps `block`, or None."""
+    reference = _managed.get(block)
+    offloader = reference() if reference is not None else None
+    return offloader if offloader is not None and offloader._active else None
+
+
 def release(offloader):
     for block in [b for b, r in _managed.items() if r() is offloader or r() is None]:
         del _managed[block]

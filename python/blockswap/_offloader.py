@@ -100,7 +100,11 @@ class ModelOffloader:
     reentrant ``torch.utils.checkpoint``, which runs each block's forward again in backward),
     ``debug`` (the seed's log: a line for each move and wait).
     musubi-tuner passes ``use_pinned_memory`` where diffusion-pipe passes the reentrant flag:
-    see docs/python.md, "Trainers".
+    see docs/python.md, "Trainers". In place of musubi-tuner's ``LoRAStreamOffloader``
+    (``--block_swap_h2d_only``) it takes that class's keywords: ``ring_size`` (B: the S =
+    ``blocks_to_swap`` streamed blocks get B more slots; blockswap keeps the same device memory,
+    N-S+B blocks, with K = S-B off the device and, in inference, B rotating slots) and
+    ``use_pinned_memory`` (no effect: blockswap pins its host copy wherever it can).
 
     Keyword-only extras: ``rotating_slots`` (inference: slots the swapped blocks rotate
     through), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
@@ -153,14 +157,15 @@ class ModelOffloader:
     """
 
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
-                 device, reentrant_activation_checkpointing, debug=False, *,
+                 device, reentrant_activation_checkpointing=False, debug=False, *,
                  rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
                  weights_prefix="", weights_from_file=None, host_budget_bytes=None,
                  staging_buffers=2, file_reads="direct", offload_activations=False,
-                 activation_threshold_bytes=_activations.DEFAULT_THRESHOLD_BYTES):
+                 activation_threshold_bytes=_activations.DEFAULT_THRESHOLD_BYTES,
+                 ring_size=None, use_pinned_memory=None):
         # The arguments, to build it again after a cast (Note [casting a managed model]).
         self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                             device, reentrant_activation_checkpointing, debug),
@@ -179,7 +184,8 @@ class ModelOffloader:
                                 host_budget_bytes=host_budget_bytes,
                                 staging_buffers=staging_buffers, file_reads=file_reads,
                                 offload_activations=offload_activations,
-                                activation_threshold_bytes=activation_threshold_bytes))
+                                activation_threshold_bytes=activation_threshold_bytes,
+                                ring_size=ring_size, use_pinned_memory=use_pinned_memory))
         self._rebuild = False
         self.block_type = block_type
         self.blocks = list(blocks) if blocks is not None else []
@@ -199,6 +205,8 @@ class ModelOffloader:
         self._submitted = set()  # blocks submitted since the last prepare (for its message)
         self._next_block = 0  # hook_blocks: the block expected next (skipped blocks)
         self._closed = False
+        self._swap_disabled = False  # disable_block_swap() (kept when built again)
+        self._carried = {}  # the counters of the engines it had before (built again) or closed
         self._trace = trace
         if not isinstance(block_type, str):
             raise InvalidArgumentError(f"block_type must be a str (the blocks' label), got "
@@ -216,6 +224,9 @@ class ModelOffloader:
                                        f"torch.distributed.group.WORLD), got {process_group!r}")
         if trace is not None:
             self._check_trace(trace)
+        if ring_size is not None:
+            blocks_to_swap, rotating_slots = self._ring(blocks_to_swap, ring_size, rotating_slots)
+            self.blocks_to_swap = blocks_to_swap
         # Options::check (C++) checks every option's range, once, for both languages.
         options = self._options(
             blocks_to_swap=0 if blocks_to_swap is None else blocks_to_swap,
@@ -248,6 +259,7 @@ class ModelOffloader:
                                        f"False, got {offload_activations!r}")
         if offload_activations and self.blocks:
             self._offload_activations(_device_name(device), threshold)
+        self._take_over(self.blocks)
         if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None
                                and weights_file is None):
             return  # the seed does nothing either: the trainer's dummy, or no swapping
@@ -280,11 +292,10 @@ class ModelOffloader:
         self.blocks_to_swap = self._impl.blocks_to_swap()
         _peft.manage(self, self.blocks)
         _module_casts.manage(self, self.blocks)
-        if optimizer is None and self.blocks_to_swap > 0:
-            self._warn_if_nothing_swaps()
-        # Note [replaced parameters]: what was packed, and one parameter a block to check cheaply.
-        self._packed = [[p for _, p in block.named_parameters()] for block in self.blocks]
+        # Note [the model as it runs]: what was packed, and one parameter a block to check cheaply.
+        self._packed = [self._split(block) for block in self.blocks]
         self._sentinels = [_sentinel(block) for block in self.blocks]
+        self._warned_trainable = False
         for i, block in enumerate(self.blocks):
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
@@ -292,6 +303,24 @@ class ModelOffloader:
             # With supports_backward=False too: a backward may still come (loads on demand).
             self._hooks.append(block.register_forward_hook(
                 _hooks.OutputHook(self, block, i, submit=hook_blocks)))
+
+    def _ring(self, blocks_to_swap, ring_size, rotating_slots):
+        """musubi-tuner's LoRAStreamOffloader(..., ring_size=B): S = blocks_to_swap blocks stream
+        through B more slots, N-S+B blocks of device memory. blockswap keeps the same memory
+        with K = S-B blocks off the device and, in inference, R = B slots they rotate through
+        (S loads a pass, as there; training loads 2(S-B) a step, there 2S-B)."""
+        where = f"[{self.block_type}] "
+        ring = _integer(where, "ring_size", ring_size, least=1)
+        if rotating_slots:
+            raise InvalidArgumentError(f"{where}ring_size (musubi-tuner's) and rotating_slots "
+                                       "say the same thing: give one of them")
+        if blocks_to_swap is None or isinstance(blocks_to_swap, bool):
+            return blocks_to_swap, 0
+        k = _integer(where, "blocks_to_swap", blocks_to_swap, least=-1)
+        if k <= 0:  # none, or the planner's (-1): the ring says nothing then
+            return k, 0
+        k = max(0, k - ring)
+        return k, min(ring, len(self.blocks) - k) if k > 0 else 0
 
     def _offload_activations(self, device, threshold):
         """Hooks around each block's forward that offload what it saves (with K = 0 too)."""
@@ -401,10 +430,13 @@ class ModelOffloader:
             self._after_close("prepare_block_devices_before_forward()")
         if blocks is not None and self._impl is not None:
             self._check_same_blocks(blocks, "prepare_block_devices_before_forward")
-        if self._impl is not None and self._parameters_replaced():
-            self._adopt_replaced_parameters()
+        if self._impl is not None:
+            self._adopt_model_changes("prepare_block_devices_before_forward()")
         if self._rebuild:
             self._build_again()
+        self._prepare()
+
+    def _prepare(self):
         if self._impl is not None:
             if self.optimizer is not None:  # a scheduler may have changed any of them
                 self._impl.set_optimizer(self.optimizer._kind, self.optimizer._hyper())
@@ -421,13 +453,21 @@ class ModelOffloader:
         if self._rebuild:
             self._build_again()
         if self._impl is not None:
-            sentinel = self._sentinels[block_idx] if 0 <= block_idx < len(self.blocks) else None
-            if sentinel is not None and sentinel[0]._parameters.get(sentinel[1]) is not sentinel[2]:
-                raise _C.Error(
-                    f"[{self.block_type}] block {block_idx}'s parameters were replaced by other "
-                    "Parameter objects (load_state_dict(assign=True), or an assignment) since "
-                    "the offloader packed them: call prepare_block_devices_before_forward() "
-                    "after replacing them, and blockswap takes the new ones")
+            if block_idx == 0:  # a pass starts: the model as it is now (Note [the model as it runs])
+                if self._adopt_model_changes("wait_for_block(0)"):
+                    self._prepare()
+                self._warn_if_nothing_swaps()
+            else:
+                sentinel = (self._sentinels[block_idx] if 0 <= block_idx < len(self.blocks)
+                            else None)
+                if sentinel is not None and (
+                        sentinel[0]._parameters.get(sentinel[1]) is not sentinel[2]):
+                    raise _C.Error(
+                        f"[{self.block_type}] block {block_idx}'s parameters were replaced by "
+                        "other Parameter objects (load_state_dict(assign=True), or an "
+                        "assignment) in the middle of a pass, after block 0 ran with the old "
+                        "ones: replace them between passes (blockswap takes the new ones at the "
+                        "next wait_for_block(0) or prepare_block_devices_before_forward())")
             self._impl.wait_for_block(block_idx)
 
     @_compat.compiler_disable
@@ -442,7 +482,8 @@ class ModelOffloader:
         if self._impl is not None:
             if len(args) == 2 and 0 <= block_idx < len(self.blocks):  # musubi-tuner's (blocks, i)
                 try:
-                    same = args[0][block_idx] is self.blocks[block_idx]
+                    given = args[0][block_idx]
+                    same = getattr(given, "_orig_mod", given) is self.blocks[block_idx]
                 except (IndexError, KeyError, TypeError):
                     same = False
                 if not same:
@@ -464,6 +505,7 @@ class ModelOffloader:
     def disable_block_swap(self):
         """Stops swapping (the seed's eval switch): from the next prepare every block is placed
         on the device. Waits for the moves in flight."""
+        self._swap_disabled = True
         if self._impl is not None:
             self._impl.synchronize()  # a mode switch waits for every move in flight
             self._impl.disable()
@@ -471,6 +513,7 @@ class ModelOffloader:
     @_compat.compiler_disable
     def enable_block_swap(self):
         """Swaps again from the next prepare. Waits for the moves in flight."""
+        self._swap_disabled = False
         if self._impl is not None:
             self._impl.synchronize()
             self._impl.enable()
@@ -490,7 +533,11 @@ class ModelOffloader:
 
     def _warn_if_nothing_swaps(self):
         """Trainable parameters stay on the device without an optimizer: a model left
-        trainable (from_pretrained's default) would swap nothing."""
+        trainable (from_pretrained's default) when its blocks run swaps nothing. Once, at the
+        first pass that runs so (a model frozen after the offloader was built swaps)."""
+        if self._warned_trainable or self.optimizer is not None or self.blocks_to_swap <= 0:
+            return
+        self._warned_trainable = True
         frozen = trainable = 0
         for block in self.blocks:
             for p in block.parameters():
@@ -504,36 +551,97 @@ class ModelOffloader:
                 f"grad and stay on the device, against {frozen} bytes of frozen weights that "
                 "swap: without an optimizer blockswap swaps frozen weights only. Freeze the base "
                 "weights first (model.requires_grad_(False), then the adapters), or give a "
-                "blockswap.FusedAdamW to train them all", stacklevel=3)
+                "blockswap.FusedAdamW to train them all", stacklevel=4)
 
     def _after_close(self, verb):
         raise _C.Error(f"[{self.block_type}] {verb} after close(): this offloader no longer holds "
                        "its blocks (they are ordinary modules again); build a new ModelOffloader")
 
     def _check_same_blocks(self, blocks, verb):
-        given = list(blocks)
+        # musubi-tuner compiles its blocks after prepare (torch.compile(block) in the list): the
+        # same blocks, each in an OptimizedModule
+        blocks = list(blocks)
+        self._refuse_fullgraph(blocks)
+        given = [getattr(b, "_orig_mod", b) for b in blocks]
         if len(given) != len(self.blocks) or any(a is not b for a, b in zip(given, self.blocks)):
             raise InvalidArgumentError(f"[{self.block_type}] {verb}(blocks): these are not the "
                                        "blocks this offloader was built with")
 
-    # Note [replaced parameters]
-    # load_state_dict(assign=True) (musubi-tuner switches Wan 2.2's experts so) and plain
-    # assignment put other Parameter objects into the blocks; blockswap swaps the ones it packed.
-    # prepare_block_devices_before_forward() sees the replacement and builds the offloader again
-    # over the new ones; wait_for_block(i) checks one parameter of block i and raises.
-    def _parameters_replaced(self):
-        return any(len(packed) != len(now) or any(a is not b for a, b in zip(packed, now))
-                   for packed, now in zip(self._packed, (
-                       [p for _, p in block.named_parameters()] for block in self.blocks)))
+    # Note [the model as it runs]
+    # Trainers change the model under the offloader without telling it: musubi-tuner's
+    # generate scripts build it while every weight still requires grad and freeze the model
+    # afterwards; its Wan 2.2 training switches experts with load_state_dict(assign=True) on the
+    # swapped blocks (other Parameter objects) and never calls prepare again. What is frozen
+    # (swapped), trainable (resident) or replaced is therefore read from the model at each pass's
+    # start, prepare_block_devices_before_forward() or wait_for_block(0): when it differs from
+    # what was packed, the offloader is closed (every packed tensor keeps its values in host
+    # memory, so a state_dict taken before still reads them) and built again over the model as
+    # it is, and the pass goes on. Exact by construction; the cost is one packing of the blocks.
+    # Where adopting cannot be exact it raises: inside a backward (a checkpoint's recompute),
+    # with a fused optimizer (its state is in the old parameters' memory), or at another block
+    # in the middle of a pass (wait_for_block checks one parameter per block for that).
+    @staticmethod
+    def _split(block):
+        """(parameter, requires_grad) of each of a block's parameters: what packing read."""
+        return [(p, p.requires_grad) for p in block.parameters()]
 
-    def _adopt_replaced_parameters(self):
+    def _model_changed(self):
+        """The first block whose parameters are not what was packed, with what changed."""
+        for i, (packed, block) in enumerate(zip(self._packed, self.blocks)):
+            now = self._split(block)
+            if len(now) != len(packed) or any(a is not b for (a, _), (b, _) in zip(packed, now)):
+                return i, "replaced by other Parameter objects"
+            if any(a != b for (_, a), (_, b) in zip(packed, now)):
+                return i, "made trainable or frozen (requires_grad)"
+        return None
+
+    def _adopt_model_changes(self, verb):
+        """Builds the offloader again over the model as it is now, if it changed since packing
+        (Note [the model as it runs]); True if it did."""
+        self._refuse_fullgraph(self.blocks)
+        changed = self._model_changed()
+        if changed is None:
+            return False
+        block, what = changed
+        where = f"[{self.block_type}] block {block}'s parameters were {what} since they were packed"
         if self.optimizer is not None:
             raise InvalidArgumentError(
-                f"[{self.block_type}] the blocks' parameters were replaced by other Parameter "
-                "objects while a fused optimizer steps them: close() the offloader and build "
-                "a new one with an optimizer over the new parameters")
+                f"{where}, while a fused optimizer steps them: close() the offloader and build "
+                "a new one with an optimizer over the parameters as they are now")
+        if _compat.in_backward():
+            raise _C.Error(f"{where}, and {verb} runs inside a backward (a checkpoint's "
+                           "recompute) of a pass that used the old ones: change the model "
+                           "between a backward and the next forward")
         self.close()
         self._build_again()
+        return True
+
+    def _refuse_fullgraph(self, blocks):
+        """Blocks compiled with fullgraph=True cannot run swapped: dynamo would stop at the
+        first hook with a message that points the user the wrong way."""
+        for i, block in enumerate(blocks):
+            if _compat.compiled_fullgraph(block):
+                raise InvalidArgumentError(
+                    f"[{self.block_type}] block {i} is compiled with fullgraph=True "
+                    "(torch.compile, Module.compile or diffusers' compile_repeated_blocks): "
+                    "blockswap waits for each block's weights and brackets its outputs outside "
+                    "the compiled graph, which fullgraph=True forbids. Compile the blocks with "
+                    "fullgraph=False (the default): the graph breaks only around each block's "
+                    "call, and swapping never makes a block recompile")
+
+    def _take_over(self, blocks):
+        """An offloader built over blocks that an older, live one holds takes them over: the
+        old one is closed, with a warning (musubi-tuner's enable_block_swap(k) builds a new one
+        over the same blocks while the old one still exists)."""
+        older = {id(o): o for o in (_module_casts.holder(b) for b in blocks
+                                    if isinstance(b, _torch.nn.Module))
+                 if o is not None and o is not self}
+        for old in older.values():
+            _warnings.warn(
+                f"[{self.block_type}] these blocks were swapped by another ModelOffloader "
+                f"('{old.block_type}', still alive): it is closed and this one takes them over; "
+                "the old one's verbs now raise", stacklevel=4)
+            old.close()
 
     def _release_for_cast(self):
         """A cast reached this offloader's blocks (Note [casting a managed model])."""
@@ -552,14 +660,20 @@ class ModelOffloader:
         # caller put in them since (load_state_dict(assign=True)) counts, never the file's over it.
         kwargs = dict(kwargs, weights_from_file=None)
         forward_only = self.forward_only
+        disabled = getattr(self, "_swap_disabled", False)
+        carried = self._carried
         try:
             self.__init__(*args, **kwargs)
         except BaseException:
             self._rebuild = True  # every verb tries again and raises, never a silent no-op
             self._arguments = (args, kwargs)
             raise
+        finally:
+            self._carried = carried
         if self.forward_only != forward_only:
             self.set_forward_only(forward_only)
+        if disabled:
+            self.disable_block_swap()
 
     # Extras.
 
@@ -597,12 +711,16 @@ class ModelOffloader:
                      "staged_bytes": 0}
         else:
             stats = self._impl.stats()
+        # Counted on across a rebuild (Note [the model as it runs]) and after close().
+        for name, value in self._carried.items():
+            stats[name] = max(stats[name], value) if name.startswith("peak") else stats[name] + value
         if self._activations is not None:
             stats.update(self._activation_store.stats())
         return stats
 
     def reset_stats(self):
         """Sets the counters of stats() to zero (device_bytes stays)."""
+        self._carried = {}
         if self._impl is not None:
             self._impl.reset_stats()
         if self._activations is not None:
@@ -659,6 +777,9 @@ class ModelOffloader:
         _peft.release(self)
         _module_casts.release(self)
         if impl is not None:
+            self._carried = {name: value + self._carried.get(name, 0) if not name.startswith("peak")
+                             else max(value, self._carried.get(name, 0))
+                             for name, value in impl.stats().items() if name != "device_bytes"}
             impl.close()
             if self._trace is not None:
                 self._recorder.write_chrome_json(_os.fspath(self._trace))

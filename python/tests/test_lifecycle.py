@@ -136,7 +136,7 @@ def test_help_documents_every_argument_and_verb():
             assert inspect.getdoc(member), f"{name} has no docstring"
 
 
-def test_parameters_replaced_by_load_state_dict_assign_are_taken_at_the_next_prepare():
+def test_parameters_replaced_by_load_state_dict_assign_are_taken_at_the_next_pass():
     """musubi-tuner switches Wan 2.2's experts with load_state_dict(assign=True)."""
     kind = "wan"
     high, low = build(kind, seed=0), build(kind, seed=5)
@@ -146,22 +146,13 @@ def test_parameters_replaced_by_load_state_dict_assign_are_taken_at_the_next_pre
     model.load_state_dict(low.state_dict(), assign=True)
     assert torch.equal(infer(low, kind), infer(model, kind, offloaders))  # prepare takes them
     assert offloaders[0].stats()["h2d_bytes"] > 0
-    # Without a prepare in between, the wait names the mistake.
+    # Without a prepare in between: the first block's wait takes them.
     model.load_state_dict(high.state_dict(), assign=True)
-    with pytest.raises(blockswap.Error, match="replaced by other Parameter objects"):
-        with torch.no_grad():
-            model(**__import__("real_models").inputs(kind), return_dict=False)
-    assert torch.equal(infer(high, kind), infer(model, kind, offloaders))
+    with torch.no_grad():
+        got = model(**__import__("real_models").inputs(kind), return_dict=False)[0]
+    assert torch.equal(infer(high, kind), got)
+    assert offloaders[0].stats()["h2d_bytes"] > 0
     offloaders[0].close()
-
-
-def test_blocks_left_trainable_warn_that_nothing_swaps(cpu):
-    blocks = make_blocks(4)
-    for block in blocks:
-        block.requires_grad_(True)  # as from_pretrained leaves a model
-    with pytest.warns(UserWarning, match="require grad and stay on the device"):
-        offloader = blockswap.ModelOffloader("blocks", blocks, 4, 2, True, cpu, False)
-    offloader.close()
 
 
 def test_verbs_after_close_say_so_and_index_mistakes_are_named(cpu):

@@ -16,22 +16,27 @@ const char* to_string(Algorithm algorithm) {
   return algorithm == Algorithm::seed ? "seed" : "blockswap";
 }
 
-int64_t Schedule::max_blocks_to_swap(int64_t blocks, Mode mode) {
-  // Forward-only needs one slot to stream through. Training needs two: in backward, the block
-  // being differentiated and the one being loaded for the next backward must coexist.
-  return std::max<int64_t>(0, blocks - (mode == Mode::training ? 2 : 1));
+int64_t Schedule::max_blocks_to_swap(int64_t blocks, Mode mode, Algorithm algorithm) {
+  // One slot to stream through, in either mode (DESIGN.md trap 3: musubi-tuner accepts N-1 in
+  // training). With one slot in training every load waits for the compute before it, so
+  // nothing overlaps, but each block still computes its backward in the slot its forward used.
+  // The seed's own training moves hand a slot back one backward late (build_training): with
+  // one slot, block 0's backward would find block 1 there, so its replay stops at N-2.
+  const bool late = algorithm == Algorithm::seed && mode == Mode::training;
+  return std::max<int64_t>(0, blocks - (late ? 2 : 1));
 }
 
-void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode) {
+void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode, Algorithm algorithm) {
   BLOCKSWAP_CHECK_ARGUMENT(blocks >= 1, "a model needs at least one block, got N=", blocks);
-  const int64_t max_k = max_blocks_to_swap(blocks, mode);
-  BLOCKSWAP_CHECK_ARGUMENT(blocks_to_swap >= 0 && blocks_to_swap <= max_k,
-                           "blocks_to_swap K=", blocks_to_swap, " is out of range for N=", blocks,
-                           " blocks in ", to_string(mode), " mode: expected 0 <= K <= ", max_k);
+  const int64_t max_k = max_blocks_to_swap(blocks, mode, algorithm);
+  BLOCKSWAP_CHECK_ARGUMENT(
+      blocks_to_swap >= 0 && blocks_to_swap <= max_k, "blocks_to_swap K=", blocks_to_swap,
+      " is out of range for N=", blocks, " blocks in ", to_string(mode), " mode",
+      algorithm == Algorithm::seed ? " (the seed's schedule)" : "", ": expected 0 <= K <= ", max_k);
 }
 
 void Schedule::check(const ScheduleOptions& options) {
-  check(options.blocks, options.blocks_to_swap, options.mode);
+  check(options.blocks, options.blocks_to_swap, options.mode, options.algorithm);
   // Checked with K = 0 too (R is unused then), so that a configuration does not fail only once
   // K is raised.
   if (options.mode == Mode::training || options.algorithm == Algorithm::seed ||

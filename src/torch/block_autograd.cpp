@@ -44,6 +44,10 @@ bool any_requires_grad(const variable_list& tensors) {
 struct BlockExit : torch::autograd::Function<BlockExit> {
   static variable_list forward(AutogradContext* ctx, at::TensorList tensors, c10::IValue state) {
     ctx->saved_data["state"] = std::move(state);
+    // An output the loss never uses gets no gradient, not zeros (DESIGN.md trap 11): zeros
+    // would flow on into what made it, and a parameter that feeds only that output would have
+    // .grad = 0 where the model without blockswap leaves None (weight decay then moves it).
+    ctx->set_materialize_grads(false);
     variable_list outputs, constant;
     for (const auto& x : tensors) {
       outputs.push_back(x.detach());
@@ -63,7 +67,7 @@ struct BlockExit : torch::autograd::Function<BlockExit> {
                     "'s backward runs after its ModelOffloader was destroyed: keep the "
                     "offloader alive until backward() has run");
     events->block_backward_starts(state->block, state->slot.get());
-    grads.emplace_back(); // state
+    grads.emplace_back(); // state; an undefined gradient stays undefined (no gradient)
     return grads;
   }
 };

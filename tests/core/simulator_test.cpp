@@ -109,6 +109,7 @@ TEST(Simulator, NeverBeatsTheBound) {
     for (Mode mode : {Mode::forward_only, Mode::training}) {
       for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
         for (Algorithm algorithm : {Algorithm::blockswap, Algorithm::seed}) {
+          if (k > Schedule::max_blocks_to_swap(n, mode, algorithm)) continue;
           const Schedule s({n, k, mode, 0, algorithm});
           const BlockTiming t = uniform_timing(n, kC, kS, 2.0);
           for (double ratio : {0.5, 1.0, 1.5}) {
@@ -150,8 +151,8 @@ TEST(Simulator, NeverBeatsTheBoundWithUnevenBlocks) {
     std::vector<BlockTiming> timings;
     for (int l = 0; l < lists; ++l) {
       const int64_t n = std::uniform_int_distribution<int64_t>(2, 16)(rng);
-      const int64_t k =
-          std::uniform_int_distribution<int64_t>(0, Schedule::max_blocks_to_swap(n, mode))(rng);
+      const int64_t k = std::uniform_int_distribution<int64_t>(
+          0, Schedule::max_blocks_to_swap(n, mode, algorithm))(rng);
       const int64_t r = mode == Mode::forward_only && k > 0 && algorithm == Algorithm::blockswap
                             ? std::uniform_int_distribution<int64_t>(1, n - k)(rng)
                             : 0;

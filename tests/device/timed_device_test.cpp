@@ -186,6 +186,7 @@ TEST(TimedDevice, AgreesWithTheSimulatorForEveryShape) {
       for (Mode mode : {Mode::forward_only, Mode::training}) {
         for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
           for (Algorithm algorithm : {Algorithm::blockswap, Algorithm::seed}) {
+            if (k > Schedule::max_blocks_to_swap(n, mode, algorithm)) continue;
             auto device = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
             Engine engine(device, std::vector<std::size_t>(n, kBytes),
                           {.blocks_to_swap = k,
@@ -215,8 +216,8 @@ TEST(TimedDevice, AgreesWithTheSimulatorForUnevenBlocks) {
     const Mode mode = trial % 2 == 0 ? Mode::forward_only : Mode::training;
     const Algorithm algorithm = trial % 4 < 2 ? Algorithm::blockswap : Algorithm::seed;
     const int64_t n = std::uniform_int_distribution<int64_t>(2, 20)(rng);
-    const int64_t k =
-        std::uniform_int_distribution<int64_t>(0, Schedule::max_blocks_to_swap(n, mode))(rng);
+    const int64_t k = std::uniform_int_distribution<int64_t>(
+        0, Schedule::max_blocks_to_swap(n, mode, algorithm))(rng);
     const int64_t r = mode == Mode::forward_only && k > 0 && algorithm == Algorithm::blockswap
                           ? std::uniform_int_distribution<int64_t>(1, n - k)(rng)
                           : 0;

@@ -82,12 +82,12 @@ TEST(PlanModel, FitsTheBudgetMovingTheFewestBytes) {
 }
 
 TEST(PlanModel, TooSmallABudgetNamesTheSmallestThatWorks) {
-  // Training keeps 2 slots per group: 3 MiB + 2 x 1 MiB + 2 x 0.5 MiB = 6 MiB.
+  // Training keeps 1 slot per group (K = N-1): 3 MiB + 1 MiB + 0.5 MiB = 4.5 MiB.
   try {
-    plan_model(two_groups(), 5 << 20, Mode::training);
+    plan_model(two_groups(), 4 << 20, Mode::training);
     FAIL();
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("the smallest budget that works is 6.00 MiB"),
+    EXPECT_NE(std::string(e.what()).find("the smallest budget that works is 4.50 MiB"),
               std::string::npos)
         << e.what();
   }

@@ -839,14 +839,15 @@ TEST(Arguments, SwapOutOfRangeNamesTheRange) {
       run_tool("run --swap -5" + kSmall),
       {"--swap -5 is out of range for --blocks 4 in infer mode", "expected 0 <= --swap <= 3"},
       "negative");
-  expect_one_line_error(run_tool("run --mode train --swap 3" + kSmall),
-                        {"--swap 3 is out of range for --blocks 4 in train mode",
-                         "expected 0 <= --swap <= 2", "needs at least 5 blocks"},
-                        "train K = N-1");
+  expect_one_line_error(run_tool("run --mode train --swap 4" + kSmall),
+                        {"--swap 4 is out of range for --blocks 4 in train mode",
+                         "expected 0 <= --swap <= 3", "needs at least 5 blocks"},
+                        "train K = N");
   expect_one_line_error(run_tool("run --swap two" + kSmall), {"--swap: 'two'"}, "not a number");
-  const Result ok = run_tool("run --mode train --swap 2 --json" + kSmall);
+  const Result ok = run_tool("run --mode train --swap 3 --json" + kSmall); // N-1: one slot
   ASSERT_EQ(ok.exit_code, 0) << ok.err;
-  EXPECT_EQ(json::parse(ok.out)["blocks_to_swap"], 2);
+  EXPECT_EQ(json::parse(ok.out)["blocks_to_swap"], 3);
+  EXPECT_EQ(json::parse(ok.out)["max_abs_diff"].get<double>(), 0.0);
 }
 
 // The step on the host: as exact; the optimizer's state never moves, so fewer bytes load and
@@ -885,7 +886,7 @@ TEST(Run, DefaultSwapIsClampedToTheValidRange) {
     int blocks, expected_k;
   };
   for (const Case& c :
-       {Case{"train", 2, 0}, Case{"train", 3, 1}, Case{"infer", 1, 0}, Case{"train", 8, 4}}) {
+       {Case{"train", 2, 1}, Case{"train", 3, 1}, Case{"infer", 1, 0}, Case{"train", 8, 4}}) {
     const Result r = run_tool("run --mode " + c.mode + " --blocks " + std::to_string(c.blocks) +
                               " --hidden 64 --heads 2 --tokens 8 --steps 1 --json");
     ASSERT_EQ(r.exit_code, 0) << c.mode << " " << c.blocks << ": " << r.err;
@@ -895,9 +896,9 @@ TEST(Run, DefaultSwapIsClampedToTheValidRange) {
   }
   // Asking for more than the blocks allow says how many blocks it needs.
   expect_one_line_error(
-      run_tool("run --mode train --blocks 2 --swap 1 --hidden 64 --heads 2 --tokens 8"),
-      {"--swap 1 is out of range for --blocks 2 in train mode", "needs at least 3 blocks"},
-      "train N=2 K=1");
+      run_tool("run --mode train --blocks 2 --swap 2 --hidden 64 --heads 2 --tokens 8"),
+      {"--swap 2 is out of range for --blocks 2 in train mode", "needs at least 3 blocks"},
+      "train N=2 K=2");
 }
 
 // Defect 7: a bandwidth that would never finish, or would overflow the throttle, is refused.
@@ -1158,7 +1159,7 @@ TEST(Bench, EmulatedSweepHasEveryModeAndTheBytesOfEach) {
   ASSERT_EQ(rows.size(), 4u);
   EXPECT_EQ(rows["infer"].size(), 4u); // K = 0..N-1
   for (const char* mode : {"train", "finetune", "finetune-host"}) {
-    EXPECT_EQ(rows[mode].size(), 3u) << mode; // K = 0..N-2
+    EXPECT_EQ(rows[mode].size(), 3u) << mode; // K = 0..N-2, where the seed's replay runs too
   }
   const uint64_t gradients = rows["finetune-host"][0]["d2h_bytes"].get<uint64_t>();
   EXPECT_GT(gradients, 0u);

@@ -163,8 +163,8 @@ TEST(ModelOffloader, MisuseRaisesClearErrors) {
   torch::NoGradGuard no_grad;
   const Inputs in;
   Model model(8);
-  expect_error([&] { ModelOffloader("blocks", model.modules(), options(7, true)); },
-               "K=7 is out of range for N=8 blocks in training mode");
+  expect_error([&] { ModelOffloader("blocks", model.modules(), options(8, true)); },
+               "K=8 is out of range for N=8 blocks in training mode");
   expect_error([&] { ModelOffloader("blocks", model.modules(), options(8, false)); },
                "K=8 is out of range");
   expect_error(

@@ -230,8 +230,8 @@ TEST(TwoLists, PlanMovesTheFewestBytesOfEveryCombinationThatFits) {
        budget += layout::slot_bytes(d) / 2) {
     const SwapPlan plan = plan_for(model, budget);
     std::size_t best = SIZE_MAX;
-    for (int64_t kd = 0; kd <= kDoubles - 2; ++kd) {
-      for (int64_t ks = 0; ks <= kSingles - 2; ++ks) {
+    for (int64_t kd = 0; kd <= kDoubles - 1; ++kd) {
+      for (int64_t ks = 0; ks <= kSingles - 1; ++ks) {
         if (layout::slot_device_bytes(d, kd) + layout::slot_device_bytes(s, ks) > budget) continue;
         best = std::min(best, moved(d, kd) + moved(s, ks));
       }

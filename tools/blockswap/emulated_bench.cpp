@@ -125,7 +125,8 @@ std::vector<BenchRow> emulated_bench(const BenchArgs& args, nlohmann::json& info
     ReferenceTransformer& plain = finetune ? ft_plain : model;
     ReferenceTransformer& swapped_model = finetune ? ft_swapped : swapped;
     ReferenceTransformer& seeded_model = finetune ? ft_seeded : seeded;
-    for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, m); ++k) {
+    // Up to the largest K the seed's replay runs too (training: N-2), for its column.
+    for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, m, Algorithm::seed); ++k) {
       progress.update("blockswap bench: " + mode + " K=" + std::to_string(k) + ",",
                       int(rows.size()) + 1, total);
       Options options;

@@ -57,7 +57,7 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   run_cmd
       ->add_option("--swap", swap,
-                   "blocks to swap, 0 <= K <= N-1 (infer) or N-2 (train); default: half the "
+                   "blocks to swap, 0 <= K <= N-1; default: half the "
                    "blocks, at most that")
       ->check(integer<int64_t>());
   run_cmd->add_option("--hidden", run.hidden, "hidden size")

@@ -63,7 +63,7 @@ int64_t blocks_to_swap(const RunArgs& args, int64_t blocks, Mode mode) {
   const int64_t max_k = Schedule::max_blocks_to_swap(blocks, mode);
   if (!args.swap) return std::min(blocks / 2, max_k);
   const int64_t k = *args.swap;
-  const int64_t kept = mode == Mode::training ? 2 : 1; // blocks that stay on the device
+  const int64_t kept = 1; // blocks that stay on the device (one slot), in either mode
   const std::string model =
       args.weights.empty() ? detail::concat("--blocks ", blocks)
                            : detail::concat("the ", blocks, " blocks of --weights ", args.weights);

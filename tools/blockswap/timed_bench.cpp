@@ -99,13 +99,16 @@ std::vector<int64_t> ks_for(const ModelShape& shape, int64_t k) {
   return ks;
 }
 
+// The largest K both schedules run: each row sets blockswap beside the seed's replay, which
+// trains to N-2 (blockswap's N-1 trains through one slot, where nothing can overlap).
 int64_t max_k(const ModelShape& shape, Mode mode) {
-  int64_t k = Schedule::max_blocks_to_swap(shape.blocks[0], mode);
+  int64_t k = Schedule::max_blocks_to_swap(shape.blocks[0], mode, Algorithm::seed);
   while (k > 0) {
     const std::vector<int64_t> ks = ks_for(shape, k);
     bool valid = true;
     for (std::size_t l = 0; l < ks.size(); ++l) {
-      valid = valid && ks[l] <= Schedule::max_blocks_to_swap(shape.blocks[l], mode);
+      valid =
+          valid && ks[l] <= Schedule::max_blocks_to_swap(shape.blocks[l], mode, Algorithm::seed);
     }
     if (valid) break;
     --k;

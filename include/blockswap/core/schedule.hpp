@@ -61,10 +61,13 @@ public:
   // Throws blockswap::InvalidArgument naming N, K and the mode when K is out of range (check).
   explicit Schedule(const ScheduleOptions& options);
 
-  // The largest valid K: N-1 forward-only, N-2 in training (0 when N < 2).
-  static int64_t max_blocks_to_swap(int64_t blocks, Mode mode);
-  // Throws blockswap::InvalidArgument unless 0 <= K <= max_blocks_to_swap(N, mode) and N >= 1.
-  static void check(int64_t blocks, int64_t blocks_to_swap, Mode mode);
+  // The largest valid K: N-1 in either mode (0 when N < 2); the seed's replay trains to N-2.
+  static int64_t max_blocks_to_swap(int64_t blocks, Mode mode,
+                                    Algorithm algorithm = Algorithm::blockswap);
+  // Throws blockswap::InvalidArgument unless 0 <= K <= max_blocks_to_swap(N, mode, algorithm)
+  // and N >= 1.
+  static void check(int64_t blocks, int64_t blocks_to_swap, Mode mode,
+                    Algorithm algorithm = Algorithm::blockswap);
   // That, and R in range (forward-only, Algorithm::blockswap, R > 0: 1 <= R <= N-K).
   static void check(const ScheduleOptions& options);
 
