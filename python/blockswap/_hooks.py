@@ -7,6 +7,19 @@ Trainers copy a managed model (``copy.deepcopy`` for an EMA) and save it whole
 on this offloader with another model's block, so each hook holds its offloader weakly, acts only
 for the block it was made for, and becomes ``inert`` in a copy or a pickle: the copy is a plain
 module. Holding the offloader weakly also lets ``del offloader`` free it at once.
+
+Note [kept state dicts]
+``state_dict()`` returns tensors that share their parameters' memory. A swapped block's weights
+are views of its host copy while it is off the device, which never changes; but while it is on
+the device they are views of its slot, and a later load gives that slot to another block (in
+inference every rotating block, in training a resident block lends its slot during the step).
+A state dict kept past that (musubi-tuner keeps the inactive Wan 2.2 expert's) would then read
+the other block's weights. In inference (forward-only) every pass does that, and a state dict
+kept across passes would read other blocks' weights: there, a block on the device gives its
+frozen weights to a state_dict as host copies of their values (one copy of the resident blocks'
+weights per call, in inference only). In training every block is back in its own slot when a
+step ends, so a state dict taken and read between steps (a checkpoint, a LoRA save, musubi-tuner's
+expert switch) is exact and costs no copy; one read in the middle of a later step is not.
 """
 
 import weakref as _weakref
@@ -120,6 +133,29 @@ class OutputHook(_Hook):
         if self._submit:
             offloader.submit_move_blocks_forward(self._index)
         return rebuilt
+
+
+class StateDictHook(_Hook):
+    """A state_dict hook on block i (Note [kept state dicts]): in inference, while the block is
+    on the device, its swapped weights in a state_dict are host copies of their values, not
+    views of its slot, which the next pass gives to another block."""
+    __slots__ = ()
+
+    def __call__(self, module, state_dict, prefix, local_metadata):
+        offloader = self._offloader(module)
+        if (offloader is None or not offloader.forward_only
+                or not offloader._impl.is_resident(self._index)):
+            return None
+        offloader._impl.synchronize()  # no load into the slot in flight
+        paths = {id(owner): path for path, owner in module.named_modules()}
+        for owner, name, p, _ in offloader._packed[self._index]:
+            path = paths.get(id(owner))
+            key = prefix + (f"{path}.{name}" if path else name)
+            value = state_dict.get(key)
+            if (value is not None and not isinstance(value, _torch.nn.Parameter)  # keep_vars
+                    and owner._parameters.get(name) is p and not p.requires_grad):
+                state_dict[key] = value.to("cpu", copy=True)
+        return None
 
 
 class ActivationHook(_Hook):

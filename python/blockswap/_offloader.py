@@ -297,6 +297,7 @@ class ModelOffloader:
         self._sentinels = [_sentinel(block) for block in self.blocks]
         self._warned_trainable = False
         for i, block in enumerate(self.blocks):
+            self._hooks.append(block._register_state_dict_hook(_hooks.StateDictHook(self, block, i)))
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
                     _hooks.WaitHook(self, block, i)))
@@ -308,7 +309,10 @@ class ModelOffloader:
         """musubi-tuner's LoRAStreamOffloader(..., ring_size=B): S = blocks_to_swap blocks stream
         through B more slots, N-S+B blocks of device memory. blockswap keeps the same memory
         with K = S-B blocks off the device and, in inference, R = B slots they rotate through
-        (S loads a pass, as there; training loads 2(S-B) a step, there 2S-B)."""
+        (S loads a pass, as there; training loads 2(S-B) a step, there 2S-B). At least one block
+        stays off the device: with B >= S that class still streams, and places every block at
+        prepare, which the trainer relies on (musubi-tuner leaves the blocks on the host until
+        then); with K = 0 blockswap would leave them where they are."""
         where = f"[{self.block_type}] "
         ring = _integer(where, "ring_size", ring_size, least=1)
         if rotating_slots:
@@ -319,7 +323,7 @@ class ModelOffloader:
         k = _integer(where, "blocks_to_swap", blocks_to_swap, least=-1)
         if k <= 0:  # none, or the planner's (-1): the ring says nothing then
             return k, 0
-        k = max(0, k - ring)
+        k = min(max(1, k - ring), len(self.blocks) - 1)
         return k, min(ring, len(self.blocks) - k) if k > 0 else 0
 
     def _offload_activations(self, device, threshold):
@@ -599,8 +603,10 @@ class ModelOffloader:
                 if now is not p:
                     return i, "replaced by other Parameter objects"
                 if p.requires_grad != trainable:
-                    return i, "made trainable or frozen (requires_grad)"
+                    return i, self._FLAGS
         return None
+
+    _FLAGS = "made trainable or frozen (requires_grad)"
 
     def _adopt_model_changes(self, verb):
         """Builds the offloader again over the model as it is now, if it changed since packing
@@ -616,9 +622,14 @@ class ModelOffloader:
                 f"{where}, while a fused optimizer steps them: close() the offloader and build "
                 "a new one with an optimizer over the parameters as they are now")
         if _compat.in_backward():
+            if what == self._FLAGS:
+                # A checkpoint's recompute of a pass that ran with the old split: the weights'
+                # values are the same, so the recompute runs as packed, and the next pass's
+                # start outside the backward takes the new split.
+                return False
             raise _C.Error(f"{where}, and {verb} runs inside a backward (a checkpoint's "
-                           "recompute) of a pass that used the old ones: change the model "
-                           "between a backward and the next forward")
+                           "recompute) of a pass that used the old ones: replace them between "
+                           "a backward and the next forward")
         self.close()
         self._build_again()
         return True
@@ -726,7 +737,8 @@ class ModelOffloader:
         return stats
 
     def reset_stats(self):
-        """Sets the counters of stats() to zero (device_bytes stays)."""
+        """Sets the counters of stats() to zero (device_bytes stays, and peak_device_bytes
+        starts again from it)."""
         self._carried = {}
         if self._impl is not None:
             self._impl.reset_stats()

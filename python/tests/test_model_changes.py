@@ -216,3 +216,90 @@ def test_block_swap_enabled_again_takes_the_blocks_over(cpu):
     assert_bitwise(expected, train(blocks, offloader=new))
     assert new.stats()["h2d_bytes"] > 0
     new.close()
+
+
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_kept_state_dict_keeps_each_blocks_weights_while_passes_run(cpu, k, training):
+    """A state_dict taken while blocks are on the device and kept (musubi-tuner keeps the
+    inactive expert's) reads each block's own weights after more passes, whichever block a
+    slot holds by then (Note [kept state dicts])."""
+    blocks = make_blocks(N)
+    model = torch.nn.ModuleList(blocks)
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    expected = {name: t.clone() for name, t in model.state_dict().items() if name in frozen}
+    with blockswap.ModelOffloader("blocks", blocks, N, k, True, cpu, False) as offloader:
+        offloader.set_forward_only(not training)
+        offloader.prepare_block_devices_before_forward()
+        kept = model.state_dict()
+        for _ in range(3):
+            if training:
+                train(blocks, steps=1, offloader=offloader)
+            else:
+                infer(blocks, torch.randn(2, DIM), offloader)
+            for name in frozen:  # the adapters train, with blockswap or without
+                assert torch.equal(kept[name], expected[name]), name
+        assert offloader.stats()["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("s, b", [(1, 2), (2, 2), (3, 1), (4, 2)])
+def test_lora_stream_offloaders_keywords_swap_at_every_ring_size(cpu, s, b):
+    """musubi-tuner's LoRAStreamOffloader(type, blocks, N, S, backward, device, ring_size=B,
+    use_pinned_memory=..., debug=...): a ring as large as S still streams (the trainer leaves
+    the blocks on the host until prepare places them)."""
+    blocks = make_blocks(N)
+    reference = twin(blocks)
+    offloader = blockswap.ModelOffloader("blocks", blocks, N, s, True, cpu, ring_size=b,
+                                         use_pinned_memory=True, debug=False)
+    assert offloader.blocks_to_swap == max(1, s - b)
+    assert_bitwise(train(reference), train(blocks, offloader=offloader))
+    assert offloader.stats()["h2d_bytes"] > 0
+    offloader.set_forward_only(True)
+    x = torch.randn(2, 3, DIM)
+    assert torch.equal(infer(reference, x), infer(blocks, x, offloader))
+    offloader.close()
+
+
+def test_freezing_between_forward_and_a_checkpointed_backward_is_exact(cpu):
+    """A parameter frozen after the forward, before a backward that recomputes the blocks
+    (non-reentrant checkpointing around the verbs, as diffusion-pipe's layers): the recompute
+    runs as the forward did; the next pass takes the new split."""
+    def step(blocks, offloader=None):
+        torch.manual_seed(5)
+        x = torch.randn(2, 3, DIM, requires_grad=True)
+        out = run_blocks(blocks, x, offloader, checkpointing="non-reentrant")
+        blocks[3].fc2.bias.requires_grad_(False)  # saves nothing for backward either way
+        out.pow(2).mean().backward()
+        grads = [x.grad] + [p.grad for b in blocks for p in (b.lora_a, b.lora_b, b.fc2.bias)]
+        out2 = infer(blocks, x.detach(), offloader)
+        return grads, out2
+
+    blocks = make_blocks(N)
+    blocks[3].fc2.bias.requires_grad_(True)  # trainable when the offloader is built
+    reference = twin(blocks)
+    want, want_out = step(reference)
+    assert want[-4] is None  # block 3's bias, frozen before the backward: no gradient
+    with blockswap.ModelOffloader("blocks", blocks, N, 2, True, cpu, False) as offloader:
+        got, got_out = step(blocks, offloader)
+        assert [g is None for g in want] == [g is None for g in got]
+        assert_bitwise([g for g in want if g is not None], [g for g in got if g is not None])
+        assert torch.equal(want_out, got_out)
+        assert offloader.stats()["h2d_bytes"] > 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_state_dict_after_weights_are_loaded_in_place_reads_the_new_weights(cpu, k):
+    """load_state_dict (copy_, not assign) into a running offloader's blocks, then state_dict():
+    the new values, on the device or off it (Note [kept state dicts])."""
+    blocks = make_blocks(N)
+    model = torch.nn.ModuleList(blocks)
+    new = torch.nn.ModuleList(make_blocks(N, seed=42)).state_dict()
+    with blockswap.ModelOffloader("blocks", blocks, N, k, False, cpu, False) as offloader:
+        x = torch.randn(2, DIM)
+        infer(blocks, x, offloader)
+        offloader.prepare_block_devices_before_forward()
+        model.load_state_dict(new)
+        got = model.state_dict()
+        for name, value in new.items():
+            assert torch.equal(got[name], value), name
+        assert torch.equal(infer(blocks, x, offloader), infer(make_blocks(N, seed=42), x))

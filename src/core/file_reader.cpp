@@ -195,12 +195,23 @@ void FileReader::copy_after(const Staged& staged) {
   });
 }
 
+void FileReader::Failure::raise() const {
+  switch (kind) {
+  case Kind::out_of_memory:
+    throw OutOfMemory(what);
+  case Kind::invalid_argument:
+    throw InvalidArgument(what);
+  default:
+    throw Error(what);
+  }
+}
+
 void FileReader::wait(const Staged& staged) {
   const auto* read = static_cast<const Read*>(staged.read.get());
   BLOCKSWAP_CHECK(read != nullptr, "[", label_, "] wait() for a block take() did not give");
   std::unique_lock lock(shared_->mutex);
   shared_->changed.wait(lock, [&] { return read->done; });
-  if (read->failure) std::rethrow_exception(read->failure);
+  if (read->failure) read->failure.raise();
 }
 
 void FileReader::release(const Staged& staged, std::shared_ptr<const Event> copied) {
@@ -263,7 +274,7 @@ void FileReader::run() {
     std::byte* const into = read->into.buffer->data();
     const int64_t block = read->block;
     lock.unlock();
-    std::exception_ptr failure;
+    Failure failure;
     try {
       if (copied) copied(); // the copy out of this buffer is done
       if (blocks_[block].memory != nullptr) {
@@ -271,12 +282,18 @@ void FileReader::run() {
       } else {
         read_block(block, into);
       }
+    } catch (const OutOfMemory& e) {
+      failure = {Failure::Kind::out_of_memory, e.what()};
+    } catch (const InvalidArgument& e) {
+      failure = {Failure::Kind::invalid_argument, e.what()};
+    } catch (const std::exception& e) {
+      failure = {Failure::Kind::error, e.what()};
     } catch (...) {
-      failure = std::current_exception();
+      failure = {Failure::Kind::error, "[" + label_ + "] a read failed with an unknown error"};
     }
     lock.lock();
     read->done = true;
-    read->failure = failure;
+    read->failure = std::move(failure);
     reading_ = nullptr;
     if (read->taken) std::erase(reads_, read);
     if (!failure) bytes_read_ += blocks_[block].bytes;

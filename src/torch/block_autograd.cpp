@@ -64,8 +64,9 @@ struct BlockExit : torch::autograd::Function<BlockExit> {
         c10::static_intrusive_pointer_cast<NodeState>(ctx->saved_data["state"].toCapsule());
     const auto events = state->events.lock();
     BLOCKSWAP_CHECK(events != nullptr, state->what,
-                    "'s backward runs after its ModelOffloader was destroyed: keep the "
-                    "offloader alive until backward() has run");
+                    "'s backward runs after its ModelOffloader was destroyed or closed "
+                    "(close(), or in Python a new ModelOffloader built over its blocks, which "
+                    "takes them over): keep the offloader until backward() has run");
     events->block_backward_starts(state->block, state->slot.get());
     grads.emplace_back(); // state; an undefined gradient stays undefined (no gradient)
     return grads;

@@ -106,7 +106,8 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
     auto add = [&](const std::string& name, const at::Tensor& tensor, Role role) {
       check(name, tensor);
       BLOCKSWAP_CHECK(tensor.is_contiguous(), "[", label, "] tensor '", name, "' of block ", b,
-                      " is not contiguous: make it so first (t.set_data(t.contiguous()))");
+                      " is not contiguous: make it so first (C++: t.set_data(t.contiguous()); "
+                      "Python: p.data = p.data.contiguous())");
       const auto [it, inserted] = owner.emplace(tensor.unsafeGetTensorImpl(), b);
       BLOCKSWAP_CHECK(inserted || it->second == b, "[", label, "] tensor '", name, "' of block ", b,
                       " is shared with block ", it->second,

@@ -141,12 +141,22 @@ private:
     std::shared_ptr<Buffer> buffer;
     std::function<void()> copied; // wait for the copy out of it before writing it
   };
+  // A failed read's error, kept as its kind and message: the waiting thread throws an
+  // exception of its own. (An exception object shared between threads through an
+  // exception_ptr is freed by whichever thread drops it last, with a reference count the
+  // thread sanitizer cannot see: it reported the reader freeing it while the caller read it.)
+  struct Failure {
+    enum class Kind { none, error, invalid_argument, out_of_memory } kind = Kind::none;
+    std::string what;
+    explicit operator bool() const { return kind != Kind::none; }
+    [[noreturn]] void raise() const;
+  };
   // One requested block; shared with the copy stream's wait for it (copy_after).
   struct Read {
     int64_t block = -1;
     Free into; // its buffer, given in the order asked (null until one is free)
     bool taken = false, done = false;
-    std::exception_ptr failure;
+    Failure failure;
   };
   // What the copy stream's waits share with the reader, which they may outlive.
   struct Shared {
