@@ -704,14 +704,7 @@ def train(dp, kind, *, blocks_to_swap, checkpointing, tmp_path, offloader_class=
                 o.reset_stats()
             features, label = _inputs(model, make_batch(step), seed=10 + step)
             out = pipeline_model(features)
-            loss = pipeline_model.loss_fn(out, label)
-            loss.backward()
-            run.losses.append(loss.detach().clone())
-            run.grads.append({n: None if p.grad is None else p.grad.detach().clone()
-                              for n, p in named})
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            run.h2d_bytes.append(_h2d_bytes(offloaders))
+            _step(run, pipeline_model.loss_fn(out, label), named, optimizer, offloaders)
         if steps in evals:
             evaluate(steps)
         run.adapters = {n: p.detach().clone() for n, p in named}
@@ -835,6 +828,17 @@ def hook_blocks_offloaders(model, blocks_to_swap):
                                      hook_blocks=True)]
 
 
+def _step(run, loss, named, optimizer, offloaders):
+    """backward, then what a step leaves (the loss, each gradient right after backward, None
+    where there is none), the optimizer's step, and the bytes the offloaders moved."""
+    loss.backward()
+    run.losses.append(loss.detach().clone())
+    run.grads.append({n: None if p.grad is None else p.grad.detach().clone() for n, p in named})
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    run.h2d_bytes.append(_h2d_bytes(offloaders))
+
+
 def train_diffusers(model, offloaders=(), steps=STEPS, eval_after=(1,)):
     """LoRA training of a diffusers model whose forward runs the blocks: loss, gradients right
     after backward, AdamW with weight decay, an eval pass after the steps in `eval_after`
@@ -850,14 +854,7 @@ def train_diffusers(model, offloaders=(), steps=STEPS, eval_after=(1,)):
             o.prepare_block_devices_before_forward()
         inputs, target = diffusers_qwen_inputs(step)
         out = model(**inputs).sample
-        loss = F.mse_loss(out, target)
-        loss.backward()
-        run.losses.append(loss.detach().clone())
-        run.grads.append({n: None if p.grad is None else p.grad.detach().clone()
-                          for n, p in named})
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        run.h2d_bytes.append(_h2d_bytes(offloaders))
+        _step(run, F.mse_loss(out, target), named, optimizer, offloaders)
         if step in eval_after:
             for o in offloaders:
                 o.set_forward_only(True)

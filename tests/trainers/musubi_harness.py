@@ -706,6 +706,16 @@ def _observed_trainer(arch, result, cumulative, enable_again_with):
     return Observed
 
 
+def _with_dit(arch, tmp, seed):
+    """The run's folder, holding the architecture's random DiT file (written once)."""
+    tmp = pathlib.Path(tmp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    dit = tmp / "dit.safetensors"
+    if not dit.exists():
+        arch.write_dit(dit, seed)
+    return tmp
+
+
 def train(mt, arch, blocks_to_swap, tmp, *, gradient_checkpointing=False, cpu_offload=False,
           steps=3, sample=False, fp8=False, seed=0, extra_argv=(), high_low=False,
           cumulative=False, enable_again_with=None, timestep_boundary=500):
@@ -720,11 +730,8 @@ def train(mt, arch, blocks_to_swap, tmp, *, gradient_checkpointing=False, cpu_of
     `h2d_cumulative`. `enable_again_with`: enable_block_swap is called a second time right after
     the first, with this K. Returns a Result."""
     result = Result()
-    tmp = pathlib.Path(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = _with_dit(arch, tmp, seed)
     dit = tmp / "dit.safetensors"
-    if not dit.exists():
-        arch.write_dit(dit, seed)
     toml = tmp / "dataset.toml"
     if not toml.exists():
         arch.write_dataset(tmp)
@@ -802,11 +809,8 @@ def generate(mt, arch, blocks_to_swap, tmp, *, fp8=False, freeze_first=False, se
     for these scripts). `slg_layers`: Wan's --slg_mode original --slg_layers.
     `h2d_only`: Wan, BlockSwapConfig(..., h2d_only=True, ring_size=2) and frozen first."""
     result = Result()
-    tmp = pathlib.Path(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
+    tmp = _with_dit(arch, tmp, seed)
     dit = tmp / "dit.safetensors"
-    if not dit.exists():
-        arch.write_dit(dit, seed)
     out = tmp / f"gen-{blocks_to_swap}-{len(list(tmp.glob('gen-*')))}"
     out.mkdir()
     prompts = [f"a photo of a cat, {i}" for i in range(passes)]
