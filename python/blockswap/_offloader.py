@@ -81,14 +81,6 @@ def _path(block_type, path):
                                    f"os.PathLike), got {path!r}") from None
 
 
-def _sentinel(block):
-    """(module, name, parameter) of a block's first parameter, or None."""
-    for name, p in block.named_parameters():
-        prefix, _, key = name.rpartition(".")
-        return (block.get_submodule(prefix) if prefix else block, key, p)
-    return None
-
-
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -292,9 +284,7 @@ class ModelOffloader:
         self.blocks_to_swap = self._impl.blocks_to_swap()
         _peft.manage(self, self.blocks)
         _module_casts.manage(self, self.blocks)
-        # Note [the model as it runs]: what was packed, and one parameter a block to check cheaply.
-        self._packed = [self._split(block) for block in self.blocks]
-        self._sentinels = [_sentinel(block) for block in self.blocks]
+        self._packed = [self._split(block) for block in self.blocks]  # Note [the model as it runs]
         self._warned_trainable = False
         for i, block in enumerate(self.blocks):
             self._hooks.append(block._register_state_dict_hook(_hooks.StateDictHook(self, block, i)))
@@ -462,10 +452,9 @@ class ModelOffloader:
                     self._prepare()
                 self._warn_if_nothing_swaps()
             else:
-                sentinel = (self._sentinels[block_idx] if 0 <= block_idx < len(self.blocks)
-                            else None)
-                if sentinel is not None and (
-                        sentinel[0]._parameters.get(sentinel[1]) is not sentinel[2]):
+                # One parameter a block, cheaply: its first (0 <= i < N: the engine names others)
+                packed = self._packed[block_idx] if 0 < block_idx < len(self.blocks) else None
+                if packed and packed[0][0]._parameters.get(packed[0][1]) is not packed[0][2]:
                     raise _C.Error(
                         f"[{self.block_type}] block {block_idx}'s parameters were replaced by "
                         "other Parameter objects (load_state_dict(assign=True), or an "
