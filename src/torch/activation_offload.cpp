@@ -47,7 +47,7 @@
 #include <utility>
 
 #include "blockswap/core/error.hpp"
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/activation_scope.hpp"
 
 namespace blockswap {
 namespace torch_frontend {

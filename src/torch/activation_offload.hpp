@@ -1,8 +1,8 @@
-// Activation offloading for the LibTorch front end (ActivationScope in blockswap/torch.hpp).
-// Implementer-only (src/torch).
+// Activation offloading for the LibTorch front end (ActivationScope in
+// blockswap/torch/activation_scope.hpp). Implementer-only (src/torch).
 #pragma once
 
-#include <ATen/Tensor.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <functional>

@@ -8,20 +8,21 @@
 // the model run without blockswap. Note [trap 1] in the .cpp says why the node exists.
 #pragma once
 
-#include <torch/csrc/autograd/variable.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "blockswap/core/backend.hpp"
 #include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
 
-using variable_list = torch::autograd::variable_list;
+using variable_list = std::vector<at::Tensor>; // torch::autograd::variable_list
 
 // What the autograd node calls back, from autograd's thread. Held weakly: once the offloader
 // is gone, a backward that would need it raises instead of reading stale memory.

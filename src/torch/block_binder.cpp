@@ -1,8 +1,9 @@
 #include "block_binder.hpp"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstring>
 

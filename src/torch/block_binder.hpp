@@ -3,7 +3,7 @@
 // them between moves. Implementer-only (src/torch).
 #pragma once
 
-#include <ATen/Tensor.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstddef>

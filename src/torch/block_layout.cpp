@@ -1,7 +1,9 @@
 #include "block_layout.hpp"
 
-#include <ATen/ATen.h>
-#include <torch/nn/module.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <torch/nn/module.h> // tensor_blocks: the modules' named parameters and buffers
 
 #include <mutex>
 #include <optional>

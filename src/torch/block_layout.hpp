@@ -4,7 +4,7 @@
 // described here. Implementer-only (src/torch).
 #pragma once
 
-#include <ATen/Tensor.h>
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
 #include <cstddef>
@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/offloader.hpp"
 
 namespace blockswap::torch_frontend {
 

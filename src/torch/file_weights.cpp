@@ -1,6 +1,6 @@
 #include "file_weights.hpp"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>

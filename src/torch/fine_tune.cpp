@@ -2,8 +2,11 @@
 
 #include "fused_optimizers.hpp"
 
-#include <ATen/ATen.h>
-#include <torch/csrc/autograd/grad_mode.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/core/grad_mode.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/csrc/autograd/function.h> // Node, complete: hooked accumulators are replaced here
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>

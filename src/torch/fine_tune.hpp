@@ -3,8 +3,6 @@
 // memory. Implementer-only (src/torch).
 #pragma once
 
-#include <torch/csrc/autograd/function.h>
-
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -19,7 +17,7 @@
 #include "block_autograd.hpp"
 #include "block_binder.hpp"
 #include "blockswap/core/engine.hpp"
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/options.hpp"
 
 namespace blockswap::torch_frontend {
 

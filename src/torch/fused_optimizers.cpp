@@ -1,7 +1,20 @@
 // The per-parameter optimizer steps, bitwise as torch.optim / torch::optim (Note [the steps]).
 #include "fused_optimizers.hpp"
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/_foreach_add.h>
+#include <ATen/ops/_foreach_addcdiv.h>
+#include <ATen/ops/_foreach_addcmul.h>
+#include <ATen/ops/_foreach_div.h>
+#include <ATen/ops/_foreach_lerp.h>
+#include <ATen/ops/_foreach_mul.h>
+#include <ATen/ops/_foreach_sqrt.h>
+#include <ATen/ops/_fused_adamw.h>
+#include <ATen/ops/_fused_sgd.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/stack.h>
 
 #include <cmath>
 #include <type_traits>
@@ -106,7 +119,7 @@ void adamw(const FusedAdamW& o, const ParamStep& a) {
   const double bias_correction2_sqrt = kernel == OptimizerKernel::libtorch
                                            ? std::sqrt(bias_correction2)
                                            : std::pow(bias_correction2, 0.5);
-  const at::Tensor denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(o.eps);
+  const at::Tensor denom = exp_avg_sq.sqrt().div(bias_correction2_sqrt).add_(o.eps);
   a.param.addcdiv_(exp_avg, denom, -step_size);
 }
 
@@ -120,10 +133,13 @@ bool finite_at_least(double value, double least) {
 // `as_python` torch.nn.utils.clip_grad_norm_([p], max_norm).
 void clip_gradient(const at::Tensor& grad, double max_norm, bool as_python) {
   const at::Tensor norm = grad.norm(2);
-  // Python divides a float by a tensor as the tensor's reciprocal times the float.
-  const at::Tensor coefficient = as_python
-                                     ? (at::stack({norm}).norm(2) + 1e-6).reciprocal() * max_norm
-                                     : max_norm / (norm + 1e-6);
+  // Python divides a float by a tensor as the tensor's reciprocal times the float; LibTorch's
+  // max_norm / (norm + 1e-6) fills a tensor with the float and divides it. Written as the bodies
+  // of at::operator+, * and / (ATen/TensorOperators.h, whose include pulls in every operator's
+  // header), so the results are bitwise those of the operators.
+  const at::Tensor coefficient =
+      as_python ? at::stack({norm}).norm(2).add(1e-6).reciprocal().mul(max_norm)
+                : at::full_like(norm, max_norm).div_(norm.add(1e-6));
   grad.mul_(at::clamp(coefficient, std::nullopt, 1.0));
 }
 

@@ -1,7 +1,7 @@
 // The fused optimizers' arithmetic: one parameter's step as torch::optim or torch.optim takes
 // it (OptimizerKernel), gradient clipping, the state each optimizer keeps, and the checks of
 // its hyper-parameters. A new optimizer (or a new torch.optim kernel) goes here and in the
-// FusedOptimizer variant of blockswap/torch.hpp. Implementer-only (src/torch).
+// FusedOptimizer variant of blockswap/torch/options.hpp. Implementer-only (src/torch).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -10,7 +10,7 @@
 #include <variant>
 #include <vector>
 
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/options.hpp"
 
 namespace blockswap::torch_frontend {
 

@@ -10,7 +10,7 @@
 #include "block_layout.hpp"
 #include "blockswap/core/backend.hpp"
 #include "blockswap/core/node_memory.hpp"
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/options.hpp"
 
 namespace blockswap::torch_frontend {
 

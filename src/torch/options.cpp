@@ -6,7 +6,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/schedule.hpp"
-#include "blockswap/torch.hpp"
+#include "blockswap/torch/options.hpp"
 #include "fused_optimizers.hpp"
 
 namespace blockswap {

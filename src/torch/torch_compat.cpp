@@ -2,7 +2,11 @@
 
 #include <c10/core/Device.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
+
+#include <type_traits>
+#include <utility>
 
 #ifndef BLOCKSWAP_TORCH_CUDA
 #define BLOCKSWAP_TORCH_CUDA 0 // the build defines it 1 against a CUDA torch
@@ -21,6 +25,10 @@ static_assert(TORCH_VERSION_MAJOR > blockswap::torch_frontend::compat::min_torch
               "blockswap needs torch 2.7 or newer: run scripts/setup-deps");
 
 namespace blockswap::torch_frontend::compat {
+
+static_assert(std::is_same_v<NodePtr, decltype(torch::autograd::impl::grad_accumulator(
+                                          std::declval<at::Tensor>()))>,
+              "torch_compat.hpp: NodePtr is not what this torch's grad_accumulator returns");
 
 NodePtr grad_accumulator(const at::Tensor& leaf) {
   return torch::autograd::impl::grad_accumulator(leaf);

@@ -3,12 +3,16 @@
 // Implementer-only (src/torch).
 #pragma once
 
-#include <ATen/Tensor.h>
-#include <torch/csrc/autograd/variable.h>
+#include <ATen/core/Tensor.h>
+#include <torch/version.h>
 
-#include <utility>
+#include <memory>
 
 struct CUstream_st;
+
+namespace torch::autograd {
+struct Node;
+} // namespace torch::autograd
 
 namespace blockswap::torch_frontend::compat {
 
@@ -17,8 +21,14 @@ inline constexpr int min_torch_major = 2;
 inline constexpr int min_torch_minor = 7;
 
 // autograd's owning pointer to a node: std::shared_ptr<Node> up to torch 2.12,
-// c10::intrusive_ptr<Node> from 2.13 on.
-using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<at::Tensor>()));
+// c10::intrusive_ptr<Node> from 2.13 on (torch_compat.cpp checks it against
+// torch::autograd::impl::grad_accumulator). Node stays incomplete here: a source that copies or
+// drops a NodePtr of 2.13 on includes torch/csrc/autograd/function.h.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 13)
+using NodePtr = c10::intrusive_ptr<torch::autograd::Node>;
+#else
+using NodePtr = std::shared_ptr<torch::autograd::Node>;
+#endif
 
 // The leaf's gradient accumulator, made if it has none (the one the next forward will use).
 NodePtr grad_accumulator(const at::Tensor& leaf);
