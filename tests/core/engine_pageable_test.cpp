@@ -1,16 +1,35 @@
 // The engine where the system caps page-locked memory: blocks whose host copies are pageable
 // are loaded through a pinned staging ring, exactly, and no load makes the host wait for the
-// copy stream (Note [pageable host memory] in engine_staging.cpp).
+// copy stream (Note [pageable host memory] in engine_staging.cpp). On the emulated device, whose
+// pinning caps as a system's would; compiled with BLOCKSWAP_TEST_CUDA (label gpu), the same
+// cases on the CUDA backend, its pinning capped by CappedPinning below.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "blockswap/core/engine.hpp"
+#include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/planner.hpp"
+
+#ifdef BLOCKSWAP_TEST_CUDA
+#include <cuda_runtime_api.h>
+
+#include "blockswap/device/cuda.hpp"
+#else
 #include "blockswap/device/emulated.hpp"
+#endif
 
 namespace blockswap {
 namespace {
@@ -22,11 +41,170 @@ float value(int64_t block, std::size_t j, int version = 0) {
   return float(block) * 1e4f + float(j) + float(version) * 0.5f;
 }
 
+#ifdef BLOCKSWAP_TEST_CUDA
+
+// The CUDA backend with its page-locked host memory capped at `pinnable` bytes, counted as
+// EmulatedDeviceOptions::pinnable_bytes counts them: past the cap, allocate_host returns what
+// CudaDevice::allocate_host returns when the system refuses to pin (pageable memory, marked so),
+// and the driver makes the host wait for each copy from or to it. The rest is the CUDA backend.
+class CappedPinning final : public Backend {
+public:
+  explicit CappedPinning(std::size_t pinnable) : pinnable_(pinnable) {}
+
+  std::string name() const override { return cuda_->name(); }
+  Buffer allocate_host(std::size_t bytes) override {
+    const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
+    std::unique_lock lock(state_->mutex);
+    if (pinnable_ - state_->pinned >= size) {
+      state_->pinned += size;
+      lock.unlock();
+      auto pinned = std::make_shared<Buffer>(cuda_->allocate_host(bytes));
+      std::byte* data = pinned->data();
+      return Buffer(data, bytes, [pinned, state = state_, size](std::byte*, std::size_t) {
+        pinned->reset();
+        std::lock_guard held(state->mutex);
+        state->pinned -= size;
+      });
+    }
+    lock.unlock();
+    auto* data = static_cast<std::byte*>(std::aligned_alloc(4096, (size + 4095) / 4096 * 4096));
+    if (data == nullptr) throw OutOfMemory("cannot allocate pageable host memory");
+    {
+      std::lock_guard held(state_->mutex);
+      state_->pageable.emplace(data, size);
+    }
+    return Buffer(
+        data, bytes,
+        [state = state_](std::byte* p, std::size_t) {
+          {
+            std::lock_guard held(state->mutex);
+            state->pageable.erase(p);
+          }
+          std::free(p);
+        },
+        Buffer::Pinning::pageable);
+  }
+  Buffer pin_host(std::byte* data, std::size_t bytes) override {
+    return cuda_->pin_host(data, bytes);
+  }
+  Buffer allocate_device(std::size_t bytes) override { return cuda_->allocate_device(bytes); }
+  void copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
+                      int64_t tag) override {
+    count(host);
+    cuda_->copy_to_device(device, host, bytes, tag);
+  }
+  void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
+                    int64_t tag) override {
+    count(host);
+    cuda_->copy_to_host(host, device, bytes, tag);
+  }
+  void set_copy_observer(CopyObserver observer) override {
+    cuda_->set_copy_observer(std::move(observer));
+  }
+  void poison(std::byte* device, std::size_t bytes) override { cuda_->poison(device, bytes); }
+  std::unique_ptr<Event> make_event() override { return cuda_->make_event(); }
+  void record(Event& event, Stream stream) override { cuda_->record(event, stream); }
+  void wait(Stream stream, const Event& event) override { cuda_->wait(stream, event); }
+  void synchronize(const Event& event) override { cuda_->synchronize(event); }
+  void wait_host(Stream stream, std::function<void()> until) override {
+    cuda_->wait_host(stream, std::move(until));
+  }
+  bool times_events() const override { return cuda_->times_events(); }
+  std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override {
+    return cuda_->elapsed_seconds(start, end);
+  }
+  MemoryStats memory() const override { return cuda_->memory(); }
+  std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec) override {
+    return cuda_->make_staging_reader(std::move(spec));
+  }
+
+  // Copies from or to pageable host memory so far (EmulatedDevice::pageable_copies).
+  std::size_t pageable_copies() const {
+    std::lock_guard lock(state_->mutex);
+    return state_->pageable_copies;
+  }
+
+private:
+  struct State {
+    std::mutex mutex;
+    std::size_t pinned = 0;
+    std::map<const std::byte*, std::size_t> pageable; // start, size
+    std::size_t pageable_copies = 0;
+  };
+
+  void count(const std::byte* host) {
+    std::lock_guard lock(state_->mutex);
+    auto it = state_->pageable.upper_bound(host);
+    if (it != state_->pageable.begin() && host < std::prev(it)->first + std::prev(it)->second) {
+      ++state_->pageable_copies;
+    }
+  }
+
+  const std::shared_ptr<CudaDevice> cuda_ = std::make_shared<CudaDevice>();
+  const std::size_t pinnable_;
+  const std::shared_ptr<State> state_ = std::make_shared<State>();
+};
+using TestDevice = CappedPinning;
+
+std::shared_ptr<TestDevice> capped(std::size_t blocks) {
+  return std::make_shared<CappedPinning>(blocks * layout::align_up(kBytes));
+}
+
+std::shared_ptr<TestDevice> uncapped() {
+  return std::make_shared<CappedPinning>(std::numeric_limits<std::size_t>::max());
+}
+
+// What a computation reads from and writes to device memory now: copies on the compute stream
+// (the legacy default stream: CudaDeviceOptions's default), after what it waits for.
+std::vector<float> read_device(const std::byte* device) {
+  std::vector<float> out(kFloats);
+  EXPECT_EQ(cudaMemcpy(out.data(), device, kBytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out;
+}
+
+void write_device(std::byte* device, std::size_t first, const std::vector<float>& floats) {
+  EXPECT_EQ(cudaMemcpy(device + first * sizeof(float), floats.data() + first,
+                       (kFloats - first) * sizeof(float), cudaMemcpyHostToDevice),
+            cudaSuccess);
+}
+
+#else
+
+using TestDevice = EmulatedDevice;
+
 // A device whose host memory pins at most `blocks` blocks' worth (one slot each here).
-std::shared_ptr<EmulatedDevice> capped(std::size_t blocks) {
+std::shared_ptr<TestDevice> capped(std::size_t blocks) {
   return std::make_shared<EmulatedDevice>(
       EmulatedDeviceOptions{.link_gbps = 4.0, .pinnable_bytes = blocks * layout::align_up(kBytes)});
 }
+
+std::shared_ptr<TestDevice> uncapped() {
+  return std::make_shared<EmulatedDevice>();
+}
+
+// What a computation reads from and writes to device memory now: the bytes themselves (the
+// emulated device's compute stream is the host).
+std::vector<float> read_device(const std::byte* device) {
+  std::vector<float> out(kFloats);
+  std::memcpy(out.data(), device, kBytes);
+  return out;
+}
+
+void write_device(std::byte* device, std::size_t first, const std::vector<float>& floats) {
+  std::memcpy(device + first * sizeof(float), floats.data() + first,
+              (kFloats - first) * sizeof(float));
+}
+
+#endif
+
+class PageableHostMemory : public ::testing::Test {
+protected:
+  void SetUp() override {
+#ifdef BLOCKSWAP_TEST_CUDA
+    if (!CudaDevice::available()) GTEST_SKIP() << "no CUDA device";
+#endif
+  }
+};
 
 void fill(Engine& engine) {
   for (int64_t b = 0; b < engine.blocks(); ++b) {
@@ -38,7 +216,7 @@ void fill(Engine& engine) {
 // Block `b` on the device holds value(b, j) in its frozen floats and value(b, j, versions[b])
 // in its last `trainable` floats.
 void expect_on_device(const Engine& engine, int64_t b, std::size_t trainable = 0, int version = 0) {
-  const auto* dev = reinterpret_cast<const float*>(engine.device_data(b));
+  const std::vector<float> dev = read_device(engine.device_data(b));
   for (std::size_t j = 0; j < kFloats; ++j) {
     const float want = value(b, j, j >= kFloats - trainable ? version : 0);
     ASSERT_EQ(dev[j], want) << "block " << b << " float " << j;
@@ -67,7 +245,7 @@ void backward(Engine& engine, std::size_t trainable = 0, int version = 0,
   }
 }
 
-TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
+TEST_F(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
   // Inference, K 3: 3 blocks' worth pins: the first three in host_priority's order first, then
   // the ring's two buffers take the third's and the second's.
   auto device = capped(3);
@@ -85,7 +263,7 @@ TEST(PageableHostMemory, StagingBuffersTakeThePinnedMemoryOfTheLastBlocks) {
 // Pinned memory goes to the blocks that move first; a block that never moves is loaded once
 // and needs none. Training, N 8, K 2: four blocks move. With room for six blocks and the ring,
 // every load is from pinned memory, and the ring was never needed.
-TEST(PageableHostMemory, PinnedMemoryGoesToTheBlocksThatMove) {
+TEST_F(PageableHostMemory, PinnedMemoryGoesToTheBlocksThatMove) {
   auto device = capped(6);
   Engine engine(device, std::vector<std::size_t>(8, kBytes),
                 {.blocks_to_swap = 2,
@@ -114,7 +292,7 @@ TEST(PageableHostMemory, PinnedMemoryGoesToTheBlocksThatMove) {
 
 // Frozen blocks (the reader copies them ahead), and blocks whose bytes may all change (the
 // default without trainable_bytes: the load copies them into the staging buffer itself).
-TEST(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
+TEST_F(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
   for (const bool frozen : {true, false}) {
     for (int64_t k : {1, 3, 6}) {
       SCOPED_TRACE(::testing::Message() << "K " << k << (frozen ? " frozen" : " trainable"));
@@ -133,8 +311,8 @@ TEST(PageableHostMemory, InferenceIsExactAndNoLoadWaitsForTheCopyStream) {
   }
 }
 
-TEST(PageableHostMemory, AllPinnedStagesNothing) {
-  auto device = std::make_shared<EmulatedDevice>();
+TEST_F(PageableHostMemory, AllPinnedStagesNothing) {
+  auto device = uncapped();
   Engine engine(device, std::vector<std::size_t>(8, kBytes), {.blocks_to_swap = 3});
   fill(engine);
   engine.prepare();
@@ -147,7 +325,7 @@ TEST(PageableHostMemory, AllPinnedStagesNothing) {
 // Full fine-tuning: each backward changes a block's trainable floats on the device; the next
 // load of the block, staged from pageable memory, carries the written-back values. Only the
 // write-backs touch pageable memory directly (they make the host wait; loads never do).
-TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
+TEST_F(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
   constexpr std::size_t kTrainable = 256;
   constexpr int64_t kBlocks = 6;
   for (int64_t k : {1, 2, 4}) {
@@ -171,9 +349,10 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
       for (int64_t b = kBlocks - 1; b >= 0; --b) {
         engine.wait_for_block(b);
         expect_on_device(engine, b, kTrainable, version[b]);
-        auto* dev = reinterpret_cast<float*>(engine.device_data(b));
         version[b] = step;
+        std::vector<float> dev(kFloats);
         for (std::size_t j = kFloats - kTrainable; j < kFloats; ++j) dev[j] = value(b, j, step);
+        write_device(engine.device_data(b), kFloats - kTrainable, dev);
         engine.mark_dirty(b);
         engine.after_backward(b);
       }
@@ -190,7 +369,7 @@ TEST(PageableHostMemory, TrainingCarriesEveryWriteBackIntoTheNextLoad) {
 // Frozen bytes written by the caller between passes (a weight changed between steps: the host
 // copy of a block off the device, the slot of one on it) reach every later load: no read made
 // ahead before the write survives the next prepare().
-TEST(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
+TEST_F(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
   constexpr int64_t kBlocks = 6;
   for (const bool train : {false, true}) {
     for (int64_t k : {1, 2, 4}) {
@@ -211,8 +390,9 @@ TEST(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
           for (std::size_t j = 0; j < kFloats; ++j) host[j] = value(b, j, version + 1);
           if (engine.is_resident(b)) {
             engine.enter(b); // its load is done: its slot is what the block holds
-            auto* dev = reinterpret_cast<float*>(engine.device_data(b));
+            std::vector<float> dev(kFloats);
             for (std::size_t j = 0; j < kFloats; ++j) dev[j] = value(b, j, version + 1);
+            write_device(engine.device_data(b), 0, dev);
           }
         }
       }
@@ -222,7 +402,7 @@ TEST(PageableHostMemory, FrozenBytesWrittenBetweenPassesReachTheNextLoads) {
 
 // Orders the schedule did not foresee (a mode switch in the middle of training, a pass
 // stopped early) cancel the reads ahead and stay exact.
-TEST(PageableHostMemory, UnforeseenOrdersStayExact) {
+TEST_F(PageableHostMemory, UnforeseenOrdersStayExact) {
   auto device = capped(2);
   Engine engine(device, std::vector<std::size_t>(6, kBytes),
                 {.blocks_to_swap = 2,

@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The README's Python install on this machine: a fresh virtual environment with the project's
-# torch (python/requirements.txt), pip install --no-build-isolation of the checkout, then an
-# import and a swapped forward pass from outside the source tree; and `pip install .` without
-# --no-build-isolation, which must stop at once with the command to use.
+# The README's Python install on this machine: a fresh virtual environment that sees the
+# project's torch (the one PYTHON has, through a .pth file: the same torch at the same path, so
+# that setup.py's CMake build compiles what CMake's build/ compiled and ccache serves it), pip
+# install --no-build-isolation of the checkout, then an import and a swapped forward pass from
+# outside the source tree; and `pip install .` without --no-build-isolation, which must stop at
+# once with the command to use. (A fresh environment with its own torch, 2.7.1 or 2.14.1 with
+# CUDA, is docs/build.md's manual check.)
 # Usage: pip_install_test.sh SOURCE_DIR WORK_DIR PYTHON
 set -euo pipefail
 source_dir=$1 work_dir=$2 python=$3
@@ -10,9 +13,12 @@ rm -rf "$work_dir/venv"
 mkdir -p "$work_dir"
 "$python" -m venv "$work_dir/venv"
 pip=("$work_dir/venv/bin/python" -m pip install -q --disable-pip-version-check)
-# ccache for the extension's compiles, as for the CMake build (its compiler links).
-if [ -d /usr/lib/ccache ]; then export PATH="/usr/lib/ccache:$PATH"; fi
-"${pip[@]}" -r "$source_dir/python/requirements.txt"
+torch_site=$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+"$work_dir/venv/bin/python" - "$torch_site" <<'PY'
+import sys, sysconfig, os
+with open(os.path.join(sysconfig.get_paths()["purelib"], "blockswap-test-torch.pth"), "w") as f:
+    f.write(sys.argv[1] + "\n")
+PY
 
 # Without --no-build-isolation pip builds in an empty environment: one clear stop.
 if out=$("${pip[@]}" --no-deps "$source_dir" 2>&1); then

@@ -1,4 +1,5 @@
-# Run by CTest (tests/CMakeLists.txt): install, then build and run an outside project.
+# Run by CTest (tests/CMakeLists.txt): install, run the installed tool as installed (it finds
+# its torch without LD_LIBRARY_PATH), then build and run an outside project.
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   if(NOT rc EQUAL 0)
@@ -10,6 +11,12 @@ endfunction()
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
 run(${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix})
+if(EXISTS ${prefix}/bin/blockswap)
+  # The build tree's copy is not on any path here: only the installed one can run.
+  set(ENV{LD_LIBRARY_PATH} "")
+  run(${prefix}/bin/blockswap run --mode train --blocks 4 --swap 2 --hidden 64 --heads 4
+      --tokens 16 --steps 1 --json)
+endif()
 set(launcher "")
 if(LAUNCHER)
   set(launcher -DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER})

@@ -5,8 +5,12 @@
 // the two side streams.
 #include "blockswap/torch.hpp"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <optional>
 
 #include "activation_offload.hpp"
 #include "blockswap/core/error.hpp"
@@ -46,6 +50,38 @@ TEST(ActivationOffload, LoraTrainingIsBitwiseTheRunWithoutOffloading) {
     EXPECT_GT(stats.offloaded_bytes, 0u) << k;
     EXPECT_EQ(stats.restored_bytes, stats.offloaded_bytes) << k;
     EXPECT_EQ(stats.device_bytes, 0u) << k; // every graph freed
+  }
+}
+
+// Activations whose copies take longer than the kernels around them (1 MiB hidden states), and
+// on a GPU the blocks computed on a stream of torch's pool, not the default one (the offloader's
+// compute stream is torch's current stream): a copy not ordered by its events shows.
+TEST(ActivationOffload, LargeActivationsOnTheCurrentStreamAreBitwise) {
+  std::optional<c10::StreamGuard> side_stream;
+  if (kDevice.is_cuda()) {
+    const c10::impl::VirtualGuardImpl guard(kDevice.type());
+    side_stream.emplace(guard.getStreamFromGlobalPool(kDevice));
+  }
+  const Inputs in(16, 512);
+  TrainingRun reference(6);
+  reference.run(
+      2, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); },
+      in);
+  for (int64_t k : {0, 3}) {
+    TrainingRun swapped(6);
+    ModelOffloader offloader("blocks", swapped.model.modules(), offloading(k));
+    offloader.reset_stats();
+    swapped.run(
+        2,
+        [&](torch::Tensor x, const torch::Tensor& c) {
+          offloader.prepare_block_devices_before_forward();
+          return forward_run_block(offloader, swapped.model, x, c);
+        },
+        in);
+    expect_same_training(reference, swapped, "K=" + std::to_string(k));
+    const ActivationStats stats = offloader.activation_stats();
+    EXPECT_GT(stats.offloaded_bytes, std::size_t{6} << 20) << k;
+    EXPECT_EQ(stats.restored_bytes, stats.offloaded_bytes) << k;
   }
 }
 

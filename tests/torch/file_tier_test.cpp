@@ -1,7 +1,9 @@
 // The file tier through ModelOffloader: the reference transformer's frozen weights read from its
 // safetensors file (Options::weights_file, host_budget_bytes), at several K and host budgets,
 // built with its weights in memory or on the meta device; inference and LoRA training bitwise
-// the model run without blockswap; every failure an Error that loses nothing.
+// the model run without blockswap; every failure an Error that loses nothing. Compiled with
+// BLOCKSWAP_TEST_CUDA (label gpu) the same runs on a GPU (test_model.hpp's kDevice): the model
+// without blockswap wholly on the GPU, the file tier's staging ring copied on the copy stream.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 #include <unistd.h>
@@ -13,6 +15,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/torch.hpp"
 #include "reference_transformer.hpp"
+#include "test_model.hpp"
 
 namespace blockswap {
 namespace {
@@ -29,6 +32,13 @@ struct Scratch {
   ~Scratch() { fs::remove_all(dir); }
   std::string file(const std::string& name) const { return (dir / name).string(); }
 };
+
+// The model without blockswap, built from kConfig, wholly on the test's device.
+ReferenceTransformer plain_model() {
+  ReferenceTransformer model(kConfig);
+  for (auto& block : model.blocks()) block->to(kDevice);
+  return model;
+}
 
 // The model saved, and the path of its file.
 std::string saved(const Scratch& scratch) {
@@ -54,7 +64,7 @@ std::vector<torch::Tensor> infer(ReferenceTransformer& model, ModelOffloader* of
                                  int passes) {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> out;
-  const torch::Tensor input = model.example_input(2, 5);
+  const torch::Tensor input = model.example_input(2, 5).to(kDevice);
   for (int pass = 0; pass < passes; ++pass) {
     torch::Tensor x = input;
     if (offloader) offloader->prepare_block_devices_before_forward();
@@ -67,7 +77,7 @@ std::vector<torch::Tensor> infer(ReferenceTransformer& model, ModelOffloader* of
 // Three SGD steps on the adapters: each step's loss, then the adapters.
 std::vector<torch::Tensor> train(ReferenceTransformer& model, ModelOffloader* offloader) {
   torch::optim::SGD sgd(model.lora_parameters(), torch::optim::SGDOptions(0.1));
-  const torch::Tensor input = model.example_input(2, 5);
+  const torch::Tensor input = model.example_input(2, 5).to(kDevice);
   std::vector<torch::Tensor> out;
   for (int step = 0; step < 3; ++step) {
     torch::Tensor x = input;
@@ -85,8 +95,10 @@ std::vector<torch::Tensor> train(ReferenceTransformer& model, ModelOffloader* of
 
 void expect_bitwise(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());
-  for (std::size_t i = 0; i < a.size(); ++i)
-    EXPECT_TRUE(torch::equal(a[i], b[i])) << "result " << i;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].device(), b[i].device()) << "result " << i;
+    EXPECT_TRUE(torch::equal(a[i].cpu(), b[i].cpu())) << "result " << i;
+  }
 }
 
 Options file_tier(const std::string& path, int64_t k, std::size_t host_budget, bool train,
@@ -97,6 +109,7 @@ Options file_tier(const std::string& path, int64_t k, std::size_t host_budget, b
   options.supports_backward = train;
   options.weights_file = path;
   options.host_budget_bytes = host_budget;
+  options.device = kDevice;
   return options;
 }
 
@@ -107,7 +120,7 @@ std::size_t block_bytes(const ReferenceTransformer& model) {
 TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
   const Scratch scratch;
   const std::string path = saved(scratch);
-  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer plain = plain_model();
   const auto expected = infer(plain, nullptr, 3);
   for (int64_t k : {1, 3, 5}) {
     for (std::size_t budget_blocks : {0, 1, 6}) {
@@ -132,7 +145,7 @@ TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
           const auto params = model.blocks()[b]->named_parameters();
           const auto plains = plain.blocks()[b]->named_parameters();
           for (const auto& item : params) {
-            EXPECT_TRUE(torch::equal(item.value(), plains[item.key()])) << item.key();
+            EXPECT_TRUE(torch::equal(item.value().cpu(), plains[item.key()].cpu())) << item.key();
           }
         }
       }
@@ -143,7 +156,7 @@ TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
 TEST(FileTier, LoraTrainingIsBitwiseAtEveryKAndHostBudget) {
   const Scratch scratch;
   const std::string path = saved(scratch);
-  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer plain = plain_model();
   const auto expected = train(plain, nullptr);
   for (int64_t k : {1, 2, 4}) {
     for (std::size_t budget_blocks : {0, 2}) {
@@ -159,10 +172,11 @@ TEST(FileTier, LoraTrainingIsBitwiseAtEveryKAndHostBudget) {
 TEST(FileTier, WeightsFileAloneFillsEmptyBlocksInHostMemory) {
   const Scratch scratch;
   const std::string path = saved(scratch);
-  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer plain = plain_model();
   ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
   Options options;
   options.blocks_to_swap = 3;
+  options.device = kDevice;
   options.weights_file = path; // no host budget: every block in host memory, read once
   options.weights_from_file = true;
   ModelOffloader offloader("blocks", model.modules(), options);
@@ -211,10 +225,12 @@ TEST(FileTier, AFileWithoutTheBlocksOrOfAnotherDtypeIsNamed) {
   }
   Options no_file;
   no_file.blocks_to_swap = 3;
+  no_file.device = kDevice;
   no_file.host_budget_bytes = 0;
   EXPECT_THROW(ModelOffloader("blocks", model.modules(), no_file), InvalidArgument);
   Options from_nothing;
   from_nothing.blocks_to_swap = 3;
+  from_nothing.device = kDevice;
   from_nothing.weights_from_file = true;
   EXPECT_THROW(ModelOffloader("blocks", model.modules(), from_nothing), InvalidArgument);
 }
@@ -237,14 +253,14 @@ void expect_write_refused(ReferenceTransformer& model, ReferenceTransformer& pla
         << what;
   }
   EXPECT_TRUE(torch::equal(model.blocks()[block]->named_parameters()["proj.weight"].cpu(),
-                           plain.blocks()[block]->named_parameters()["proj.weight"]));
+                           plain.blocks()[block]->named_parameters()["proj.weight"].cpu()));
   expect_bitwise(infer(model, &offloader, 2), infer(plain, nullptr, 2));
 }
 
 TEST(FileTier, ChangingAWeightReadFromTheFileRaisesAndKeepsTheFile) {
   const Scratch scratch;
   const std::string path = saved(scratch);
-  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer plain = plain_model();
   ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
   ModelOffloader offloader("blocks", model.modules(), file_tier(path, 3, 0, false));
   infer(model, &offloader, 1);
@@ -262,7 +278,7 @@ TEST(FileTier, ChangingAWeightReadFromTheFileRaisesAndKeepsTheFile) {
 TEST(FileTier, ChangingAWeightOfABlockThatNeverMovesRaisesAtTheNextPass) {
   const Scratch scratch;
   const std::string path = saved(scratch);
-  ReferenceTransformer plain(kConfig);
+  ReferenceTransformer plain = plain_model();
   ReferenceTransformer model = ReferenceTransformer::load_frozen_empty(path);
   ModelOffloader offloader("blocks", model.modules(), file_tier(path, 0, 0, false));
   infer(model, &offloader, 1);

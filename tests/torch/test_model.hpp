@@ -87,14 +87,15 @@ struct Model {
   }
 };
 
+// `batch` sequences of `tokens` tokens: a hidden state and a context.
 struct Inputs {
   torch::Tensor x, context;
-  Inputs() {
+  explicit Inputs(int64_t batch = 2, int64_t tokens = 5) {
     static std::mutex seeding; // torch's generator is the process's (ranks as threads)
     std::lock_guard lock(seeding);
     torch::manual_seed(11);
-    x = torch::randn({2, 5, kDim}).to(kDevice);
-    context = torch::randn({2, 5, kDim}).to(kDevice);
+    x = torch::randn({batch, tokens, kDim}).to(kDevice);
+    context = torch::randn({batch, tokens, kDim}).to(kDevice);
   }
 };
 
@@ -139,8 +140,7 @@ struct TrainingRun {
 
   explicit TrainingRun(int64_t n) : model(n) {}
 
-  template <typename Forward> void run(int steps, Forward&& forward) {
-    const Inputs in;
+  template <typename Forward> void run(int steps, Forward&& forward, const Inputs& in = Inputs()) {
     for (int step = 0; step < steps; ++step) {
       torch::Tensor x = in.x.clone().requires_grad_(true);
       const torch::Tensor loss = forward(x, in.context).pow(2).mean();
