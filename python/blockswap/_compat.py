@@ -1,8 +1,8 @@
 """What depends on the torch version, for the Python package: the supported range, checked at
 import before the compiled module loads, the check that the module was compiled against the
 torch that runs it, and every call into torch that is private or differs between versions
-(torch.compiler.disable, c10d's default store, DistributedDataParallel's ignore list). A torch
-2.15 difference goes here."""
+(torch.compiler.disable, c10d's default store, DistributedDataParallel's ignore list, the
+saved-tensor hooks on top, dynamo's fullgraph flag). A torch 2.15 difference goes here."""
 
 import functools as _functools
 
@@ -95,12 +95,46 @@ def in_backward():
     return _torch._C._current_graph_task_id() != -1
 
 
+_autograd = _torch._C._autograd
+_top_saved_tensors_hooks = getattr(_autograd, "_top_saved_tensors_default_hooks", None)
+
+
 def saved_tensors_hooks_active():
     """Whether saved-tensor hooks were pushed already on this thread: a non-reentrant
     checkpoint's, ``torch.autograd.graph.save_on_cpu``'s (activation offloading leaves them
-    in charge)."""
-    top = getattr(_torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is not None and top(False) is not None
+    in charge). As torch answers it from 2.8 on: the top of this thread's stack of default
+    hooks, unless dynamo is tracing (then autograd applies none)."""
+    if _top_saved_tensors_hooks is not None:
+        return _top_saved_tensors_hooks(False) is not None
+    return _saved_tensors_hooks_pushed()
+
+
+def _saved_tensors_hooks_pushed():
+    """torch 2.7, which has no _top_saved_tensors_default_hooks: whether this thread's stack of
+    default saved-tensor hooks is not empty, read from the one call that looks at it. Disabling
+    the hooks (what ``torch.autograd.graph.disable_saved_tensors_hooks`` does) raises while the
+    stack has a pair, and succeeds, changing nothing else, when it is empty; the message it sets
+    is put back at once either way (that raise sets it too). Costs about 0.3 us with the stack
+    empty, 15 us with hooks on it (a C++ exception): once per block forward."""
+    tracing = _autograd._saved_tensors_hooks_set_tracing(False)
+    if tracing:  # dynamo is tracing: autograd applies no default hooks
+        _autograd._saved_tensors_hooks_set_tracing(True)
+        return False
+    previous = _autograd._saved_tensors_hooks_get_disabled_error_message()
+    try:
+        _autograd._saved_tensors_hooks_disable("blockswap: is a saved-tensor hook on top?")
+    except RuntimeError:
+        pushed = True
+    else:
+        pushed = False
+    try:
+        if previous is None:
+            _autograd._saved_tensors_hooks_enable()
+        else:
+            _autograd._saved_tensors_hooks_disable(previous)
+    except RuntimeError:  # hooks on the stack while disabled: the message is back all the same
+        pass
+    return pushed
 
 
 def compiled_fullgraph(module):
@@ -115,7 +149,13 @@ def compiled_fullgraph(module):
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 continue
-            if hasattr(value, "fullgraph"):
+            if hasattr(value, "fullgraph") or hasattr(value, "first_ctx"):  # 2.7: no fullgraph
                 context = value
                 break
-    return bool(getattr(context, "fullgraph", False))
+    if hasattr(context, "fullgraph"):
+        return bool(context.fullgraph)
+    # torch 2.7's context has no fullgraph: its callback, dynamo's frame converter, converts
+    # frames itself with one_graph=True under fullgraph=True (ConvertFrameAssert), and through
+    # an inner converter with one_graph=False otherwise (ConvertFrame).
+    convert = getattr(getattr(context, "callback", None), "_torchdynamo_orig_callable", None)
+    return bool(getattr(convert, "_one_graph", False))

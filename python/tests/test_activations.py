@@ -62,6 +62,28 @@ def test_lora_training_is_bitwise_the_run_without_offloading(k, checkpointing):
         assert stats["activation_offloaded_bytes"] == 0
 
 
+def test_a_non_reentrant_checkpoint_around_the_block_stays_in_charge():
+    """Its saved-tensor hooks are on top when the block's call starts, so offloading leaves
+    them alone: the checkpoint saves only its input, and every block's forward runs again in
+    backward (its recompute). Offloading in their place would turn the checkpoint off without
+    a word: a forward a block, every activation copied to the host (torch 2.7, which cannot
+    tell which hooks are on top as 2.8 can, did until _compat read it another way)."""
+    blocks = make_blocks(6)
+    forwards = []
+    for block in blocks:
+        block.register_forward_pre_hook(lambda module, args: forwards.append(module))
+    o = offloader(blocks, 2)
+    train_big(blocks, steps=1, offloader=o, checkpointing="non-reentrant")
+    assert len(forwards) == 2 * len(blocks)
+    assert o.stats()["activation_offloaded_bytes"] == 0
+    # torch's save_on_cpu around the whole pass is in charge the same way.
+    forwards.clear()
+    with torch.autograd.graph.save_on_cpu():
+        train_big(blocks, steps=1, offloader=o)
+    assert len(forwards) == len(blocks)
+    assert o.stats()["activation_offloaded_bytes"] == 0
+
+
 class CheckpointedBlock(torch.nn.Module):
     """musubi-tuner's layout: the block's own forward runs its body in a checkpoint."""
 

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.utils.checkpoint
 
 import blockswap
+from blockswap import _compat
 
 
 def import_with_torch_version(version):
@@ -50,3 +53,53 @@ def test_numbers_in_the_compiled_modules_messages_are_formatted():
             assert "block index 17 is out of range for 4 blocks" in str(e)
         else:
             raise AssertionError("wait_for_block(17) did not raise")
+
+
+# saved_tensors_hooks_active is torch's _top_saved_tensors_default_hooks from 2.8 on; torch 2.7
+# has none, and _saved_tensors_hooks_pushed reads the stack another way. Both run on every torch.
+@pytest.mark.parametrize("active", [_compat.saved_tensors_hooks_active,
+                                    _compat._saved_tensors_hooks_pushed],
+                         ids=["saved_tensors_hooks_active", "torch 2.7's way"])
+def test_saved_tensor_hooks_on_top_are_seen_and_left_as_they_were(active):
+    autograd = torch._C._autograd
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    packed = []
+
+    def seen():
+        answer = active()
+        if top is not None:
+            assert answer == (top(False) is not None)
+        return answer
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    x = torch.randn(4, requires_grad=True)
+    assert not seen()
+    with torch.autograd.graph.save_on_cpu():
+        assert seen()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            assert seen()
+            x.exp()  # the hooks on top still apply after the question
+            assert len(packed) == 1
+        assert seen()
+    assert not seen()
+    inside = []
+
+    def body(h):
+        inside.append(seen())
+        return h.sin().sin()
+
+    torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+    torch.utils.checkpoint.checkpoint(body, x, use_reentrant=True).sum().backward()
+    # the non-reentrant checkpoint's forward and recompute run under its hooks; the reentrant
+    # one pushes none
+    assert inside == [True, True, False, False]
+    assert not seen()
+    with torch.autograd.graph.disable_saved_tensors_hooks("the user's message"):
+        assert not seen()
+        assert autograd._saved_tensors_hooks_get_disabled_error_message() == "the user's message"
+        with pytest.raises(RuntimeError, match="the user's message"):
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t).__enter__()
+    assert autograd._saved_tensors_hooks_get_disabled_error_message() is None
