@@ -75,11 +75,18 @@ function(blockswap_find_cuda_runtime major)
     if(NOT EXISTS ${header})
       continue()
     endif()
-    # pip's runtime package for CUDA 13 carries cuda_runtime_api.h without the crt/ headers it
-    # includes (those are nvidia-cuda-crt's): such a root cannot compile.
+    # pip's runtime packages carry cuda_runtime_api.h without the crt/ headers it includes:
+    # those come with nvidia-cuda-crt (CUDA 13, into the same folder) or nvidia-cuda-nvcc-cu12
+    # (CUDA 12, beside it). A root without them cannot compile.
+    set(includes ${root}/include)
     if(NOT EXISTS ${root}/include/crt/host_defines.h)
-      list(APPEND seen "${root} (no include/crt/host_defines.h: pip install nvidia-cuda-crt)")
-      continue()
+      if(EXISTS ${root}/../cuda_nvcc/include/crt/host_defines.h)
+        get_filename_component(crt ${root}/../cuda_nvcc/include REALPATH)
+        list(APPEND includes ${crt})
+      else()
+        list(APPEND seen "${root} (no include/crt/host_defines.h)")
+        continue()
+      endif()
     endif()
     file(STRINGS ${header} line REGEX "^#define CUDART_VERSION +[0-9]+")
     string(REGEX MATCH "[0-9]+$" number "${line}")
@@ -92,8 +99,7 @@ function(blockswap_find_cuda_runtime major)
     find_library(library NAMES cudart libcudart.so.${found_major}
                  HINTS ${root}/lib64 ${root}/lib NO_DEFAULT_PATH NO_CACHE)
     if(library)
-      get_filename_component(include ${header} DIRECTORY)
-      set(BLOCKSWAP_CUDA_RUNTIME_INCLUDE ${include} PARENT_SCOPE)
+      set(BLOCKSWAP_CUDA_RUNTIME_INCLUDE ${includes} PARENT_SCOPE)
       set(BLOCKSWAP_CUDA_RUNTIME_LIBRARY ${library} PARENT_SCOPE)
       set(BLOCKSWAP_CUDA_RUNTIME_VERSION ${found_major}.${found_minor} PARENT_SCOPE)
       return()
@@ -175,14 +181,19 @@ if(blockswap_torch_info AND NOT Torch_DIR)
            ${BLOCKSWAP_C10_CUDA_LIBRARY} ${BLOCKSWAP_CUDA_RUNTIME_LIBRARY})
     else()
       string(REPLACE ";" ", " blockswap_seen "${BLOCKSWAP_CUDA_RUNTIME_SEEN}")
+      set(blockswap_crt_package nvidia-cuda-crt)
+      if(blockswap_torch_cuda_major LESS 13)
+        set(blockswap_crt_package nvidia-cuda-nvcc-cu${blockswap_torch_cuda_major})
+      endif()
       message(WARNING
         "torch ${Torch_VERSION} was built with CUDA ${blockswap_torch_cuda}, and no CUDA "
         "${blockswap_torch_cuda_major} runtime that compiles was found (beside torch, in pip's "
         "nvidia packages, or in a toolkit; passed over: ${blockswap_seen}): blockswap is built "
         "WITHOUT its CUDA backend, and device='cuda' raises. Set CUDA_HOME to a CUDA "
-        "${blockswap_torch_cuda_major} toolkit (or install pip's CUDA ${blockswap_torch_cuda_major} "
-        "runtime headers beside torch), and build again. A toolkit of another major is never "
-        "taken: it would put two CUDA runtimes in one process.")
+        "${blockswap_torch_cuda_major} toolkit, or complete pip's runtime beside torch with its "
+        "crt headers (pip install ${blockswap_crt_package}==${blockswap_torch_cuda}.*), and build "
+        "again. A toolkit of another major is never taken: it would put two CUDA runtimes in one "
+        "process.")
     endif()
   endif()
   list(APPEND blockswap_torch_link ${blockswap_torch_lib}/libc10.so)

@@ -218,8 +218,15 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
   }
   std::string known;
   for (const std::string& kind : kinds()) known += detail::concat(known.empty() ? "" : ", ", kind);
-  throw Error(
-      detail::concat("device '", name, "' is not one this build of blockswap has (", known, ")"));
+  // A build against a CUDA torch without a CUDA runtime of torch's major version has no CUDA
+  // backend (cmake/BlockswapTorch.cmake warns at build time, where pip hides it).
+  const bool cuda = name.substr(0, 4) == "cuda";
+  throw Error(detail::concat(
+      "device '", name, "' is not one this build of blockswap has (", known, ")",
+      cuda ? ": it was built without its CUDA backend, for want of a CUDA runtime of torch's CUDA "
+             "major version with its headers; docs/build.md says what to install, then build "
+             "again (pip install -v shows the reason)"
+           : ""));
 }
 
 std::vector<std::string> Device::kinds() {

@@ -34,6 +34,13 @@ TEST(Device, OpensByNameAndNamesTheDevicesThisBuildHas) {
     EXPECT_THROW(Device::open("cuda:0"), Error); // no GPU here, or no CUDA in this build
   }
   EXPECT_THROW(Device::open("cuda:x"), Error);
+  if (Device::kinds() == std::vector<std::string>{"emulated"}) {
+    // A build without the CUDA backend says why and what to do, not only that it lacks it.
+    const std::string cuda = error_of([] { Device::open("cuda"); });
+    EXPECT_NE(cuda.find("built without its CUDA backend"), std::string::npos) << cuda;
+    EXPECT_NE(cuda.find("docs/build.md"), std::string::npos) << cuda;
+    EXPECT_EQ(e.find("CUDA backend"), std::string::npos) << e;
+  }
 }
 
 TEST(Device, EmulatedOptionsReachTheBackend) {
