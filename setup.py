@@ -26,8 +26,9 @@ try:
     import torch
 except ImportError:
     sys.exit("blockswap compiles against the torch it will run with, and this build cannot see "
-             "one (pip builds in an isolated environment unless told otherwise). Install torch "
-             "2.7-2.14 first, then: pip install --no-build-isolation .")
+             "one: either this environment has no torch (install torch 2.7-2.14 first), or pip "
+             "built in an isolated environment, as it does unless told otherwise. Then: "
+             "pip install --no-build-isolation .")
 
 torch_version = torch.__version__.split("+")[0]
 if tuple(int(x) for x in torch_version.split(".")[:2]) < TORCH_MIN:

@@ -22,6 +22,7 @@ if(NOT DEFINED BLOCKSWAP_TORCH_PYTHON)
   endif()
   set(BLOCKSWAP_TORCH_PYTHON "${blockswap_default_python}" CACHE FILEPATH
       "The Python whose torch blockswap builds against (default: .venv/bin/python)")
+  set(BLOCKSWAP_TORCH_PYTHON_DEFAULTED ON CACHE INTERNAL "")
 endif()
 if(BLOCKSWAP_TORCH_PYTHON AND NOT IS_ABSOLUTE "${BLOCKSWAP_TORCH_PYTHON}")
   find_program(blockswap_torch_python_path "${BLOCKSWAP_TORCH_PYTHON}")
@@ -47,6 +48,24 @@ endfunction()
 
 # What that torch is, asked of torch itself before anything reads its files: version, install
 # directory, the CUDA it was built with, its C++ ABI.
+# A Python named on the command line that is not there, or has no torch, is the caller's
+# mistake, not a reason to look elsewhere (a default one without torch leaves the LibTorch of
+# CMAKE_PREFIX_PATH to be found).
+if(BLOCKSWAP_TORCH_PYTHON AND NOT Torch_DIR AND NOT BLOCKSWAP_TORCH_PYTHON_DEFAULTED)
+  if(NOT EXISTS "${BLOCKSWAP_TORCH_PYTHON}")
+    message(FATAL_ERROR "BLOCKSWAP_TORCH_PYTHON=${BLOCKSWAP_TORCH_PYTHON}: no such program. Name "
+                        "the Python whose torch blockswap builds against, or run "
+                        "scripts/setup-deps (it makes .venv with torch 2.13.0).")
+  endif()
+  execute_process(COMMAND ${BLOCKSWAP_TORCH_PYTHON} -c "import torch"
+                  RESULT_VARIABLE blockswap_no_torch OUTPUT_QUIET ERROR_VARIABLE blockswap_why)
+  if(blockswap_no_torch)
+    string(STRIP "${blockswap_why}" blockswap_why)
+    string(REGEX MATCH "[^\n]*$" blockswap_why "${blockswap_why}")
+    message(FATAL_ERROR "BLOCKSWAP_TORCH_PYTHON=${BLOCKSWAP_TORCH_PYTHON} cannot import torch "
+                        "(${blockswap_why}): install torch 2.7-2.14 there, or name another Python.")
+  endif()
+endif()
 blockswap_torch_python_query(blockswap_torch_info
   "import os; print(';'.join([torch.__version__.split('+')[0], os.path.dirname(torch.__file__), torch.version.cuda or '', str(int(torch._C._GLIBCXX_USE_CXX11_ABI))]))")
 

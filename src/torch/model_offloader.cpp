@@ -410,8 +410,11 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
   if (device.is_cpu()) return Device::open("emulated", std::move(options));
   if (device.is_cuda()) {
     // Checked here, so that a LibTorch without what the CUDA path needs fails before any pass.
-    BLOCKSWAP_CHECK(c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ", device.str(),
-                    ": this LibTorch was built without CUDA");
+    BLOCKSWAP_CHECK(
+        c10::impl::hasDeviceGuardImpl(c10::DeviceType::CUDA), "device ", device.str(),
+        ": this torch was built without CUDA; install a CUDA build of torch and build blockswap "
+        "against it (pip install --no-build-isolation .), or use device cpu (the "
+        "emulated device)");
     BLOCKSWAP_CHECK(torch_frontend::compat::torch_cuda_streams(), "device ", device.str(),
                     ": this blockswap was built against a torch without CUDA; rebuild it "
                     "against the CUDA build of torch it runs with");
