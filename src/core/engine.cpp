@@ -49,7 +49,8 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
 
 // Where scarce host memory goes first (core/planner.hpp, host_priority): the blocks the mode the
 // engine starts in moves (training, when it supports backward), then those the other mode
-// moves, then the others. The file tier's budget, and pinned memory where the system caps it.
+// moves, then the others. The file tier's budget, and pinned memory where the system caps it
+// (the load pipeline's staging ring).
 std::vector<int64_t> host_priority(std::size_t blocks, const EngineOptions& options) {
   std::vector<Schedule> schedules;
   if (options.supports_backward) {
@@ -75,10 +76,13 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
                    EngineOptions options, std::string label)
     : backend_(std::move(backend)), options_(std::move(options)), label_(std::move(label)),
       forward_only_(schedule_options(block_bytes.size(), options_, Mode::forward_only)),
-      is_forward_only_(!options_.supports_backward),
+      is_forward_only_(!options_.supports_backward), slot_bytes_(layout::slot_bytes(block_bytes)),
       priority_((check_backend(backend_, label_), host_priority(block_bytes.size(), options_))),
       store_(backend_, block_bytes, options_.trainable_bytes, options_.host_memory, label_,
-             blocks_in_file(block_bytes, priority_, options_), priority_) {
+             blocks_in_file(block_bytes, priority_, options_), priority_),
+      loads_(backend_, store_, options_.file, priority_, slot_bytes_, label_, [this] {
+        if (listener_ != nullptr) listener_->on_file_failed();
+      }) {
   BLOCKSWAP_CHECK(!(store_.caller_memory() || options_.file) ||
                       options_.algorithm != Algorithm::seed,
                   "[", label_,
@@ -96,10 +100,9 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
     }
   }
   for (BlockState& block : blocks_) block.loaded = backend_->make_event();
-  slot_bytes_ = layout::slot_bytes(block_bytes);
   copies_done_ = backend_->make_event();
   ensure_slots(current().slots());
-  start_staging();
+  loads_.plan(current());
   if (options_.trace) {
     backend_->set_copy_observer([trace = options_.trace](const CopyRecord& copy) {
       trace->add(detail::concat(copy.to_device ? "load block " : "write back block ", copy.tag),
@@ -150,7 +153,7 @@ HostRegion Engine::host_trainable(int64_t block) const {
 
 bool Engine::in_file(int64_t block) const {
   impl_->check_block(block);
-  return impl_->store_.in_file(block);
+  return impl_->store_.tier(block) == HostStore::Tier::file;
 }
 
 std::size_t Engine::block_bytes(int64_t block) const {
@@ -198,12 +201,7 @@ void Engine::prepare() {
     }
     if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
   }
-  impl_->restart_reads();
-  if (!loads.empty()) {
-    impl_->expect_loads(loads);
-  } else if (impl_->reader_) {
-    impl_->read_ahead(); // the pass's first loads
-  }
+  impl_->loads_.start_pass(loads);
   int64_t free_slot = 0;
   for (int64_t b = 0; b < n; ++b) {
     if (!wanted(b) || impl_->blocks_[b].slot >= 0) continue;
@@ -217,7 +215,7 @@ void Engine::prepare() {
   impl_->synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
     if (impl_->blocks_[b].slot < 0 || impl_->blocks_[b].ready) continue;
-    impl_->finish_read(b);
+    impl_->finish_load(b);
     impl_->mark_ready(b);
   }
   if (static_cast<int64_t>(impl_->slots_.size()) > needed) impl_->release_empty_slots();
@@ -249,7 +247,7 @@ void Engine::Impl::wait_locked(int64_t block) {
     return;
   }
   const auto start = Clock::now();
-  finish_read(block); // Note [the file tier]: its read done, or its failure raised
+  finish_load(block); // Note [the file tier]: its read done, or its failure raised
   const bool device_timed = !current().host_waits() && backend_->times_events();
   try {
     if (current().host_waits()) {
@@ -401,15 +399,8 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   // Written back before (Note [write-back before the forward]) and unchanged since: the host
   // copy the tensors are bound to next must hold those bytes.
   if (store_.pending(block) && !state.dirty) commit(block);
-  if (listener_ != nullptr) {
-    const bool held = hold_reads(block); // the listener may write its host bytes
-    try {
-      listener_->on_evicted(block); // may read the slot; may throw
-    } catch (...) {
-      if (held) resume_reads();
-      throw;
-    }
-    if (held) resume_reads();
+  if (listener_ != nullptr) { // it may read the slot, write the host bytes, throw
+    loads_.hold_around(block, [&] { listener_->on_evicted(block); });
   }
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
@@ -426,7 +417,7 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   slot.block = -1;
   state.slot = -1;
   state.ready = false;
-  state.read = {}; // loaded and never computed: its read, if any, is no longer waited for
+  loads_.forget(block); // loaded and never computed: its read is no longer waited for
   if (settle && store_.pending(block)) commit(block);
 }
 
@@ -437,17 +428,16 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
   const std::size_t bytes = store_.bytes(block);
   backend_->poison(s.memory->data() + bytes, slot_bytes_ - bytes);
-  if (staged_[block]) {
-    load_staged(block, s.memory->data()); // may throw: nothing has changed
-  } else if (const HostStore::Source source = store_.load_source(block); source.contiguous()) {
-    backend_->copy_to_device(s.memory->data(), source.frozen, bytes, block);
-  } else {
-    if (source.frozen_bytes > 0) {
-      backend_->copy_to_device(s.memory->data(), source.frozen, source.frozen_bytes, block);
+  // Note [pageable host memory]: a staged block's trainable bytes are read by the host, once
+  // their write-back is done.
+  if (loads_.staged(block) && store_.trainable_bytes(block) > 0 && store_.pending(block)) {
+    try {
+      backend_->synchronize(store_.written(block));
+    } catch (...) {
+      copy_failed(std::current_exception());
     }
-    backend_->copy_to_device(s.memory->data() + source.frozen_bytes, source.trainable,
-                             source.trainable_bytes, block);
   }
+  loads_.copy_into(block, s.memory->data()); // may throw: nothing has changed
   backend_->record(*state.loaded, Stream::copy);
   stats_.h2d_bytes += bytes;
   s.block = block;
@@ -455,6 +445,14 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
   state.ready = false;
   state.replaced = -1;
   state.submitted = Clock::now();
+}
+
+void Engine::Impl::finish_load(int64_t block) {
+  try {
+    loads_.finish(block);
+  } catch (...) {
+    copy_failed(std::current_exception()); // the block's load, and those after it, are forgotten
+  }
 }
 
 void Engine::Impl::mark_ready(int64_t block) {
@@ -466,11 +464,12 @@ void Engine::Impl::mark_ready(int64_t block) {
 // A copy failed: whatever was loading may hold garbage. Blocks not yet waited for leave the
 // device; their host copies are untouched, so the next prepare() loads them again.
 void Engine::Impl::forget_unready_loads() {
-  for (auto& state : blocks_) {
+  for (int64_t b = 0; b < blocks(); ++b) {
+    BlockState& state = blocks_[b];
     if (state.slot >= 0 && !state.ready) {
       slots_[state.slot].block = -1;
       state.slot = -1;
-      state.read = {};
+      loads_.forget(b);
     }
   }
 }
@@ -526,7 +525,7 @@ void Engine::set_forward_only(bool forward_only) {
                   "] cannot leave forward-only mode: the engine was built without "
                   "supports_backward");
   impl_->is_forward_only_ = forward_only;
-  impl_->plan_reads();
+  impl_->loads_.plan(impl_->current());
 }
 
 bool Engine::forward_only() const {
@@ -568,7 +567,10 @@ std::shared_ptr<Buffer> Engine::device_buffer(int64_t block) const {
 Stats Engine::stats() const {
   std::lock_guard lock(impl_->mutex_);
   impl_->collect_stalls();
-  return impl_->stats_;
+  Stats stats = impl_->stats_;
+  stats.disk_bytes = impl_->loads_.counters().disk_bytes;
+  stats.staged_bytes = impl_->loads_.counters().staged_bytes;
+  return stats;
 }
 
 void Engine::reset_stats() {
@@ -579,6 +581,7 @@ void Engine::reset_stats() {
   impl_->stall_timers_.clear();
   const uint64_t device_bytes = impl_->stats_.device_bytes;
   impl_->stats_ = Stats{};
+  impl_->loads_.reset_counters();
   impl_->stats_.device_bytes = device_bytes;
   impl_->stats_.peak_device_bytes = device_bytes;
 }

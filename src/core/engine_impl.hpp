@@ -15,6 +15,7 @@
 
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/host_store.hpp"
+#include "blockswap/core/load_pipeline.hpp"
 
 namespace blockswap {
 
@@ -40,7 +41,6 @@ struct Engine::Impl {
     int64_t replaced = -1;           // for debug lines: the block its load evicted
     Clock::time_point submitted;
     const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
-    StagingReader::Staged read;          // its load's read from the file, not yet waited for
   };
   struct SlotState {
     std::shared_ptr<Buffer> memory;
@@ -65,21 +65,9 @@ struct Engine::Impl {
   void move(const Move& move, bool settle);
   void evict(int64_t block, bool refilled, bool settle = false);
   void load(int64_t block, int64_t slot);
+  // Before the block is ready: its read from the file done, or the failure raised.
+  void finish_load(int64_t block);
   void mark_ready(int64_t block);
-  // Loads through the staging ring: the file tier, pageable host memory (engine_staging.cpp).
-  static constexpr int64_t kPageableStaging = 2; // the ring, without a file tier's own count
-  void start_staging();
-  void plan_reads();                                     // the current schedule's order
-  void expect_loads(const std::vector<int64_t>& blocks); // prepare's, in its order
-  // Note [pageable host memory]: a new pass; copies ahead around `evicted` leaving the device.
-  void restart_reads();
-  bool hold_reads(int64_t evicted); // true: resume_reads() after the eviction
-  void resume_reads();
-  void load_staged(int64_t block, std::byte* slot);
-  // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
-  StagingReader::Staged take_from_file(int64_t block, bool wait);
-  void finish_read(int64_t block); // before the block is ready: its read's failure, if any
-  void read_ahead();
   void forget_unready_loads();
   // Called in a catch block with the copy's error: rethrows it, or an Error naming the
   // write-backs it dropped.
@@ -101,6 +89,7 @@ struct Engine::Impl {
   std::size_t slot_bytes_ = 0;
   std::vector<int64_t> priority_; // host memory's (core/planner.hpp, host_priority)
   HostStore store_;               // every host address
+  LoadPipeline loads_;            // every load (core/load_pipeline.hpp)
   std::vector<BlockState> blocks_;
   std::vector<SlotState> slots_;
   std::unique_ptr<Event> copies_done_;
@@ -116,13 +105,6 @@ struct Engine::Impl {
   mutable std::vector<StallTimer> spare_timers_;
   mutable Stats stats_;
   mutable std::mutex mutex_;
-  std::size_t staging_depth_ = 0;   // the file tier's staging buffers: read-ahead's depth
-  std::vector<bool> staged_;        // per block: loaded through the staging ring
-  bool stages_memory_ = false;      // some of them from pageable host memory
-  std::vector<int64_t> file_order_; // the staged blocks a pass of the current schedule loads
-  std::size_t file_cursor_ = 0;     // the next of them to request
-  std::deque<int64_t> file_ahead_;  // requested from the reader, not yet taken
-  std::unique_ptr<StagingReader> reader_;
 };
 
 } // namespace blockswap

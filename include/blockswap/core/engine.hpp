@@ -2,9 +2,10 @@
 //
 // It owns a fixed set of device slots, each big enough for the largest block (core/layout.hpp),
 // allocated once, and decides which block is in which; every host address comes from its
-// HostStore (core/host_store.hpp: each block's authoritative bytes, pinned where the backend
-// can, and the double-buffered write-back of those that change on the device). It knows nothing
-// of tensors: a front end packs each block's weights into host_data(i) and, through a
+// HostStore (core/host_store.hpp: each block's authoritative bytes and their tier, and the
+// double-buffered write-back of those that change on the device), and every load goes through
+// its LoadPipeline (core/load_pipeline.hpp: the source the store names, the staging ring). It knows
+// nothing of tensors: a front end packs each block's weights into host_data(i) and, through a
 // ResidencyListener, points its tensors at the block's slot while it is ready.
 //
 //   blockswap::Engine engine(backend, {bytes0, bytes1, ...}, {.blocks_to_swap = 2});
@@ -31,28 +32,12 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
-#include "blockswap/core/file_reader.hpp"
 #include "blockswap/core/host_store.hpp"
+#include "blockswap/core/load_pipeline.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 
 namespace blockswap {
-
-// The file tier (DESIGN.md, "Tiers"; Note [the file tier] in engine_staging.cpp): blocks whose
-// bytes are read from the model's file for each load, through a ring of pinned staging buffers,
-// instead of being held in host memory.
-struct FileTier {
-  std::string path;
-  // Every block's packed bytes in the file (its ranges cover what it needs; padding between
-  // tensors is left as the staging buffer had it).
-  std::vector<FileBlock> blocks;
-  // Host memory for the blocks a pass moves (training's first when supports_backward, then
-  // inference's), in block order while it lasts, then for the others (core/planner.hpp,
-  // file_tier); the rest are read from the file, a block that never moves once, when placed.
-  std::size_t host_budget_bytes = 0;
-  int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
-  CacheBypass bypass = CacheBypass::direct;
-};
 
 struct EngineOptions {
   int64_t blocks_to_swap = 0;     // K
@@ -73,8 +58,9 @@ struct EngineOptions {
   // engine never writes it, so its blocks may not change on the device (no trainable bytes).
   // Empty: the engine allocates every block's.
   std::vector<std::shared_ptr<Buffer>> host_memory = {};
-  // When set, the blocks over the host budget stay in the model's file (FileTier above); they
-  // may have no trainable bytes. Unset: every block is in host memory.
+  // When set, the blocks over the host budget stay in the model's file (FileTier,
+  // core/load_pipeline.hpp); they may have no trainable bytes. Unset: every block is in host
+  // memory.
   std::optional<FileTier> file = {};
 };
 
@@ -84,7 +70,7 @@ struct Stats {
   uint64_t moves = 0;      // blocks loaded into a slot by a move (prepare not counted)
   uint64_t disk_bytes = 0; // bytes of the loads read from the file tier
   // Bytes of the loads staged from pageable host memory (Note [pageable host memory] in
-  // engine_staging.cpp).
+  // load_pipeline.cpp).
   uint64_t staged_bytes = 0;
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.

@@ -7,10 +7,11 @@
 // region, so that a write-back never overwrites the values it replaces before it is confirmed
 // (Note [atomic write-back] in host_store.cpp).
 //
-// The engine asks the store for every host address: where a load reads (load_source), where a
-// write-back goes (begin_write_back), which region is authoritative (trainable). Another source
-// of host bytes (a file read ahead into staging memory) is another way to fill this store. The
-// store keeps no lock: its owner (the engine) calls it under its own.
+// Each block has a tier (tier(): pinned or pageable host memory, or the model's file, which
+// holds its bytes instead of a host buffer). The engine and its load pipeline ask the store for
+// every host address: where a load reads (load_source), where a write-back goes
+// (begin_write_back), which region is authoritative (trainable). The store keeps no lock: its
+// owner (the engine) calls it under its own.
 #pragma once
 
 #include <cstddef>
@@ -54,12 +55,18 @@ public:
   std::size_t frozen_bytes(int64_t block) const { return bytes(block) - trainable_bytes(block); }
   // Whether the caller gave the memory (the store never writes it).
   bool caller_memory() const { return caller_memory_; }
-  // Whether block i's bytes are in the file, not in host memory (buffer(i) is null).
-  bool in_file(int64_t block) const { return blocks_[block].in_file; }
+  // Where block i's bytes are (DESIGN.md section 11), which decides how a load reaches them
+  // (core/load_pipeline.hpp): host memory the backend pinned, host memory it could not pin
+  // (caller memory is either), or the model's file (buffer(i) is null).
+  enum class Tier { pinned, pageable, file };
+  Tier tier(int64_t block) const {
+    const Block& b = blocks_[block];
+    return b.in_file ? Tier::file : b.host->pageable() ? Tier::pageable : Tier::pinned;
+  }
 
   // Frees block i's host buffer, runs `meanwhile`, then allocates it again from the backend:
   // before the block is filled, to give its page-locked memory to something that needs it more
-  // (Note [pageable host memory] in engine_staging.cpp). Not for caller memory or the file.
+  // (Note [pageable host memory] in load_pipeline.cpp). Not for caller memory or the file.
   void reallocate(int64_t block, const std::function<void()>& meanwhile);
 
   // Block i's host buffer: its packed bytes as first filled. Its frozen bytes stay the

@@ -1,12 +1,13 @@
-// The engine's staged loads: blocks whose bytes reach the device through a ring of pinned
-// staging buffers, read from the model's file (the file tier, DESIGN.md "Tiers") or copied from
-// host memory the system would not pin.
-#include "engine_impl.hpp"
+// The load pipeline (core/load_pipeline.hpp): pinned blocks copied as they are; blocks whose
+// bytes reach the device through a ring of pinned staging buffers, read from the model's file
+// (the file tier, DESIGN.md "Tiers") or copied from host memory the system would not pin.
+#include "blockswap/core/load_pipeline.hpp"
 
 #include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <set>
+#include <utility>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
@@ -25,6 +26,9 @@ void warn_once(const std::string& label, const std::string& text) {
   }
   warn(label, text);
 }
+
+// The ring for pageable blocks, without a file tier's own count.
+constexpr int64_t kPageableStaging = 2;
 
 } // namespace
 
@@ -54,49 +58,61 @@ void warn_once(const std::string& label, const std::string& text) {
 // it, so the slower path is full fine-tuning's write-backs, not the loads). Frozen host bytes
 // change when the caller writes them between passes, and when a block leaves the device (the
 // listener saves what was written into its slot): copies ahead never cross those points
-// (restart_reads, hold_reads below).
-void Engine::Impl::start_staging() {
-  if (options_.file) {
-    const FileTier& file = *options_.file;
-    BLOCKSWAP_CHECK_ARGUMENT(file.blocks.size() == blocks_.size(), "[", label_,
-                             "] the file tier has ", file.blocks.size(), " blocks for ",
-                             blocks_.size(), ": give every block's place in the file");
-    BLOCKSWAP_CHECK_ARGUMENT(file.staging_buffers >= 1, "[", label_,
+// (start_pass, hold_around below).
+LoadPipeline::LoadPipeline(std::shared_ptr<Backend> backend, HostStore& store,
+                           const std::optional<FileTier>& file,
+                           const std::vector<int64_t>& priority, std::size_t slot_bytes,
+                           std::string label, std::function<void()> file_failed)
+    : backend_(std::move(backend)), store_(store), slot_bytes_(slot_bytes),
+      label_(std::move(label)), file_failed_(std::move(file_failed)),
+      staged_(static_cast<std::size_t>(store.blocks()), false),
+      reads_(static_cast<std::size_t>(store.blocks())) {
+  start_staging(file, priority);
+}
+
+LoadPipeline::~LoadPipeline() = default;
+
+void LoadPipeline::start_staging(const std::optional<FileTier>& file,
+                                 const std::vector<int64_t>& priority) {
+  const int64_t n = store_.blocks();
+  if (file) {
+    BLOCKSWAP_CHECK_ARGUMENT(file->blocks.size() == staged_.size(), "[", label_,
+                             "] the file tier has ", file->blocks.size(), " blocks for ", n,
+                             ": give every block's place in the file");
+    BLOCKSWAP_CHECK_ARGUMENT(file->staging_buffers >= 1, "[", label_,
                              "] the file tier needs at least one staging buffer, not ",
-                             file.staging_buffers);
-    for (int64_t b = 0; b < blocks(); ++b) {
-      BLOCKSWAP_CHECK_ARGUMENT(!store_.in_file(b) || file.blocks[b].bytes == store_.bytes(b), "[",
-                               label_, "] block ", b, " has ", store_.bytes(b),
-                               " packed bytes, but its place in the file fills ",
-                               file.blocks[b].bytes);
+                             file->staging_buffers);
+    for (int64_t b = 0; b < n; ++b) {
+      BLOCKSWAP_CHECK_ARGUMENT(
+          store_.tier(b) != HostStore::Tier::file || file->blocks[b].bytes == store_.bytes(b), "[",
+          label_, "] block ", b, " has ", store_.bytes(b),
+          " packed bytes, but its place in the file fills ", file->blocks[b].bytes);
     }
   }
-  staged_.assign(blocks_.size(), false);
   auto count_staged = [&] {
     int64_t in_file = 0, pageable = 0;
-    for (int64_t b = 0; b < blocks(); ++b) {
-      const bool from_file = store_.in_file(b);
-      const bool unpinned = !from_file && store_.buffer(b)->pageable();
-      staged_[b] = from_file || unpinned;
-      in_file += from_file ? 1 : 0;
-      pageable += unpinned ? 1 : 0;
+    for (int64_t b = 0; b < n; ++b) {
+      const HostStore::Tier tier = store_.tier(b);
+      staged_[b] = tier != HostStore::Tier::pinned;
+      in_file += tier == HostStore::Tier::file ? 1 : 0;
+      pageable += tier == HostStore::Tier::pageable ? 1 : 0;
     }
     return std::pair{in_file, pageable};
   };
   const auto [in_file, pageable] = count_staged();
   if (in_file + pageable == 0) return; // every block is in pinned host memory
-  const int64_t ring = options_.file ? options_.file->staging_buffers : kPageableStaging;
+  const int64_t ring = file ? file->staging_buffers : kPageableStaging;
   // More buffers than staged blocks would never be read into. Pinning is capped (Note [pageable
   // host memory]): a staging buffer the system will not pin takes the pinned memory of the
   // blocks that have some and need it least (the last in host_priority: a block that never
   // moves is loaded once), which nothing has filled yet; those blocks are staged in turn.
   std::vector<std::shared_ptr<Buffer>> staging;
-  auto give_up = store_.caller_memory() ? priority_.rend() : priority_.rbegin();
+  auto give_up = store_.caller_memory() ? priority.rend() : priority.rbegin();
   for (int64_t i = 0; i < std::min(ring, in_file + pageable); ++i) {
     Buffer buffer = backend_->allocate_host(slot_bytes_);
     while (buffer.pageable()) {
-      while (give_up != priority_.rend() && staged_[*give_up]) ++give_up;
-      if (give_up == priority_.rend()) break;
+      while (give_up != priority.rend() && staged_[*give_up]) ++give_up;
+      if (give_up == priority.rend()) break;
       const int64_t block = *give_up;
       buffer.reset();
       store_.reallocate(block, [&] { buffer = backend_->allocate_host(slot_bytes_); });
@@ -108,10 +124,10 @@ void Engine::Impl::start_staging() {
   stages_memory_ = pageable_blocks > 0;
   bool staging_pageable = false;
   for (const auto& buffer : staging) staging_pageable = staging_pageable || buffer->pageable();
-  std::vector<FileBlock> blocks(blocks_.size()); // what the reader reads, per block
-  for (int64_t b = 0; b < this->blocks(); ++b) {
-    if (store_.in_file(b)) {
-      blocks[b] = options_.file->blocks[b];
+  std::vector<FileBlock> blocks(staged_.size()); // what the reader reads, per block
+  for (int64_t b = 0; b < n; ++b) {
+    if (store_.tier(b) == HostStore::Tier::file) {
+      blocks[b] = file->blocks[b];
     } else if (staged_[b]) {
       blocks[b] = FileBlock{{}, store_.frozen_bytes(b), store_.buffer(b)->data()};
     } // else never read: loaded from pinned memory
@@ -120,7 +136,7 @@ void Engine::Impl::start_staging() {
   // user's system caps pinning, and it costs host work.
   if (pageable_blocks > 0) {
     warn_once(label_, detail::concat(
-                          "WARNING: the host copies of ", pageable_blocks, " of ", this->blocks(),
+                          "WARNING: the host copies of ", pageable_blocks, " of ", n,
                           " blocks are pageable (the system would not pin them): their loads "
                           "go through ",
                           staging.size(),
@@ -136,72 +152,75 @@ void Engine::Impl::start_staging() {
                       "caps pinning): each load from the file makes the host wait for the copy "
                       "stream");
   }
-  staging_depth_ = staging.size();
-  reader_ = backend_->make_staging_reader(StagingSpec{
-      options_.file ? options_.file->path : std::string(), std::move(blocks), std::move(staging),
-      label_, options_.file ? options_.file->bypass : CacheBypass::direct});
-  plan_reads();
+  depth_ = staging.size();
+  reader_ = backend_->make_staging_reader(StagingSpec{file ? file->path : std::string(),
+                                                      std::move(blocks), std::move(staging), label_,
+                                                      file ? file->bypass : CacheBypass::direct});
 }
 
-void Engine::Impl::plan_reads() {
+void LoadPipeline::plan(const Schedule& schedule) {
   if (!reader_) return;
-  file_order_.clear();
-  for (const Op& op : current().pass()) {
-    if (op.kind == Op::Kind::move && staged_[op.move.in]) file_order_.push_back(op.move.in);
+  order_.clear();
+  for (const Op& op : schedule.pass()) {
+    if (op.kind == Op::Kind::move && staged_[op.move.in]) order_.push_back(op.move.in);
   }
-  file_cursor_ = 0;
+  cursor_ = 0;
 }
 
 // Note [pageable host memory]: a block's host bytes change between passes (a weight written
 // between steps) and at its eviction (the listener saves there what the caller wrote into its
 // slot). Copies from host memory are not made ahead across a pass's end (read_ahead), and the
-// ones still asked for (a pass stopped early) are dropped at prepare(); around an eviction the
-// copies ahead that include the block wait (hold_reads), and are made again after it. No copy
-// reads host bytes while they change. The file's bytes never change under a run.
-void Engine::Impl::restart_reads() {
-  if (!reader_ || !stages_memory_) return;
-  reader_->cancel();
-  file_ahead_.clear();
-  file_cursor_ = 0;
-}
-
-bool Engine::Impl::hold_reads(int64_t evicted) {
-  if (!reader_ || !stages_memory_ ||
-      std::find(file_ahead_.begin(), file_ahead_.end(), evicted) == file_ahead_.end()) {
-    return false;
-  }
-  reader_->cancel(); // waits for a copy in flight
-  return true;
-}
-
-void Engine::Impl::resume_reads() {
-  for (int64_t b : file_ahead_) reader_->request(b);
-}
-
-void Engine::Impl::expect_loads(const std::vector<int64_t>& blocks) {
+// ones still asked for (a pass stopped early) are dropped when the next pass starts; around an
+// eviction the copies ahead that include the block wait (hold_around), and are made again after
+// it. No copy reads host bytes while they change. The file's bytes never change under a run.
+void LoadPipeline::start_pass(const std::vector<int64_t>& placements) {
   if (!reader_) return;
+  if (stages_memory_) {
+    reader_->cancel();
+    ahead_.clear();
+    cursor_ = 0;
+  }
+  if (placements.empty()) {
+    read_ahead(); // the pass's first loads
+    return;
+  }
   reader_->cancel();
-  file_ahead_.clear();
-  for (int64_t b : blocks) {
+  ahead_.clear();
+  for (int64_t b : placements) {
     if (!staged_[b]) continue;
     reader_->request(b);
-    file_ahead_.push_back(b);
+    ahead_.push_back(b);
   }
-  file_cursor_ = 0; // then the pass
+  cursor_ = 0; // then the pass
 }
 
-StagingReader::Staged Engine::Impl::take_from_file(int64_t block, bool wait) {
-  if (file_ahead_.empty() || file_ahead_.front() != block) { // Note [the file tier]
-    reader_->cancel();
-    file_ahead_.clear();
-    reader_->request(block);
-    file_ahead_.push_back(block);
-    const auto at = std::find(file_order_.begin(), file_order_.end(), block);
-    if (at != file_order_.end()) {
-      file_cursor_ = static_cast<std::size_t>(at - file_order_.begin() + 1);
-    }
+void LoadPipeline::hold_around(int64_t evicted, const std::function<void()>& eviction) {
+  const bool held =
+      reader_ && stages_memory_ && std::find(ahead_.begin(), ahead_.end(), evicted) != ahead_.end();
+  if (held) reader_->cancel(); // waits for a copy in flight
+  auto resume = [&] {
+    if (!held) return;
+    for (int64_t b : ahead_) reader_->request(b);
+  };
+  try {
+    eviction();
+  } catch (...) {
+    resume();
+    throw;
   }
-  file_ahead_.pop_front();
+  resume();
+}
+
+StagingReader::Staged LoadPipeline::take(int64_t block, bool wait) {
+  if (ahead_.empty() || ahead_.front() != block) { // Note [the file tier]
+    reader_->cancel();
+    ahead_.clear();
+    reader_->request(block);
+    ahead_.push_back(block);
+    const auto at = std::find(order_.begin(), order_.end(), block);
+    if (at != order_.end()) cursor_ = static_cast<std::size_t>(at - order_.begin() + 1);
+  }
+  ahead_.pop_front();
   StagingReader::Staged staged = wait ? reader_->next() : reader_->take(); // next() rethrows
   read_ahead();
   return staged;
@@ -209,43 +228,50 @@ StagingReader::Staged Engine::Impl::take_from_file(int64_t block, bool wait) {
 
 // Reads from the file cycle into the next pass; copies from host memory stop at the pass's
 // end (Note [pageable host memory]): between passes the caller may write those bytes.
-void Engine::Impl::read_ahead() {
-  while (!file_order_.empty() && file_ahead_.size() < staging_depth_) {
-    if (file_cursor_ == file_order_.size()) {
-      if (stages_memory_) return; // prepare() starts the next pass's
-      file_cursor_ = 0;
+void LoadPipeline::read_ahead() {
+  while (!order_.empty() && ahead_.size() < depth_) {
+    if (cursor_ == order_.size()) {
+      if (stages_memory_) return; // start_pass() starts the next pass's
+      cursor_ = 0;
     }
-    const int64_t b = file_order_[file_cursor_++];
+    const int64_t b = order_[cursor_++];
     reader_->request(b);
-    file_ahead_.push_back(b);
+    ahead_.push_back(b);
+  }
+}
+
+void LoadPipeline::copy_into(int64_t block, std::byte* slot) {
+  const std::size_t bytes = store_.bytes(block);
+  if (staged(block)) {
+    copy_staged(block, slot);
+  } else if (const HostStore::Source source = store_.load_source(block); source.contiguous()) {
+    backend_->copy_to_device(slot, source.frozen, bytes, block);
+  } else {
+    if (source.frozen_bytes > 0) {
+      backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
+    }
+    backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
+                             block);
   }
 }
 
 // Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
 // stream, and the host goes on; it waits for the read only when the block is about to be
-// computed (finish_read), where a failed read is raised. A block from pageable host memory is
+// computed (finish), where a failed read is raised. A block from pageable host memory is
 // copied into its staging buffer before the host goes on: its bytes may change once the pass
 // is over, and its trainable bytes are added by the host.
-void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
-  const bool in_file = store_.in_file(block);
+void LoadPipeline::copy_staged(int64_t block, std::byte* slot) {
+  const bool in_file = store_.tier(block) == HostStore::Tier::file;
   StagingReader::Staged staged;
   try {
-    staged = take_from_file(block, !in_file);
+    staged = take(block, !in_file);
   } catch (...) {
-    if (listener_ != nullptr && in_file) listener_->on_file_failed();
+    if (in_file) file_failed_();
     throw;
   }
   const std::size_t bytes = store_.bytes(block);
   if (const std::size_t trainable = store_.trainable_bytes(block); trainable > 0) {
-    // Note [pageable host memory]: the freshest trainable bytes, once written back.
-    if (store_.pending(block)) {
-      try {
-        backend_->synchronize(store_.written(block));
-      } catch (...) {
-        reader_->release(staged);
-        copy_failed(std::current_exception());
-      }
-    }
+    // Note [pageable host memory]: the freshest trainable bytes, their write-back waited for.
     std::memcpy(staged.buffer->data() + store_.frozen_bytes(block),
                 store_.load_source(block).trainable, trainable);
   }
@@ -262,20 +288,23 @@ void Engine::Impl::load_staged(int64_t block, std::byte* slot) {
     throw;
   }
   reader_->release(staged, std::move(copied));
-  if (in_file) blocks_[block].read = std::move(staged);
-  (in_file ? stats_.disk_bytes : stats_.staged_bytes) += bytes;
+  if (in_file) reads_[block] = std::move(staged);
+  (in_file ? counters_.disk_bytes : counters_.staged_bytes) += bytes;
 }
 
-void Engine::Impl::finish_read(int64_t block) {
-  BlockState& state = blocks_[block];
-  if (!state.read.read) return;
-  const StagingReader::Staged read = std::exchange(state.read, {});
+void LoadPipeline::finish(int64_t block) {
+  if (!reads_[block].read) return;
+  const StagingReader::Staged read = std::exchange(reads_[block], {});
   try {
     reader_->wait(read);
   } catch (...) {
-    if (listener_ != nullptr) listener_->on_file_failed();
-    copy_failed(std::current_exception()); // the block's load, and those after it, are forgotten
+    file_failed_();
+    throw;
   }
+}
+
+void LoadPipeline::forget(int64_t block) {
+  reads_[block] = {};
 }
 
 } // namespace blockswap

@@ -1,0 +1,118 @@
+// LoadPipeline: the one path by which a block's bytes reach its slot (DESIGN.md section 3).
+//
+// A block's source is the tier its HostStore names (HostStore::tier): pinned host memory is
+// copied to the slot on the copy stream as it is; pageable host memory and the model's file go
+// through the staging ring (core/file_reader.hpp), which a reader fills ahead of the loads in
+// the order they will come (the schedule's pass), and the copy out of a staging buffer waits on
+// the copy stream for its read. A step that changes the bytes on their way (a decoder of
+// compressed weights) goes between the source and the copy, here.
+//
+// The engine keeps residency and calls the pipeline at four points: start_pass() with the loads
+// a pass starts with, copy_into() a slot, finish() a load before its block computes, and
+// hold_around() an eviction whose listener may write host bytes. Like HostStore it keeps no
+// lock: its owner (the engine) calls it under its own.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "blockswap/core/backend.hpp"
+#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/host_store.hpp"
+#include "blockswap/core/schedule.hpp"
+
+namespace blockswap {
+
+// The file tier (DESIGN.md, "Tiers"; Note [the file tier] in load_pipeline.cpp): blocks whose
+// bytes are read from the model's file for each load, through a ring of pinned staging buffers,
+// instead of being held in host memory.
+struct FileTier {
+  std::string path;
+  // Every block's packed bytes in the file (its ranges cover what it needs; padding between
+  // tensors is left as the staging buffer had it).
+  std::vector<FileBlock> blocks;
+  // Host memory for the blocks a pass moves (training's first when supports_backward, then
+  // inference's), in the order core/planner.hpp's host_priority gives, then for the others
+  // (file_tier); the rest are read from the file, a block that never moves once, when placed.
+  std::size_t host_budget_bytes = 0;
+  int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
+  CacheBypass bypass = CacheBypass::direct;
+};
+
+class LoadPipeline {
+public:
+  // Over `store`'s blocks (which must outlive it), each copied into a slot of `slot_bytes`.
+  // `priority`: the blocks in the order scarce pinned memory goes to them (core/planner.hpp,
+  // host_priority): where the system will not pin a staging buffer, the last of them give
+  // theirs. `file_failed`: called when a read from the file fails, before its error is
+  // thrown; must not throw. Throws InvalidArgument for a file tier that does not match the
+  // store's blocks.
+  LoadPipeline(std::shared_ptr<Backend> backend, HostStore& store,
+               const std::optional<FileTier>& file, const std::vector<int64_t>& priority,
+               std::size_t slot_bytes, std::string label, std::function<void()> file_failed);
+  ~LoadPipeline();
+  LoadPipeline(const LoadPipeline&) = delete;
+  LoadPipeline& operator=(const LoadPipeline&) = delete;
+
+  // Whether block i's loads go through the staging ring (its tier is not pinned memory).
+  bool staged(int64_t block) const { return reader_ && staged_[block]; }
+
+  // The order loads come in: every pass of `schedule` (its moves), cycling. Called when the
+  // schedule changes (a mode switch).
+  void plan(const Schedule& schedule);
+  // A pass starts: `placements` are the blocks prepare() loads first, in its order (empty in
+  // the steady state: the pass's own loads are read ahead).
+  void start_pass(const std::vector<int64_t>& placements);
+
+  // Enqueues the copy of block i's bytes from its source into `slot` on the copy stream and
+  // returns at once, except that a block from pageable memory waits for its staging copy. Its
+  // trainable bytes are read where the store says they are freshest; a pending write-back of a
+  // staged block must have been waited for (the host reads them). Throws the read's error for
+  // a block from pageable memory; on a throw nothing was enqueued.
+  void copy_into(int64_t block, std::byte* slot);
+  // Block i is about to be computed: blocks the host until its read from the file (if any)
+  // is done, and throws that read's error (after file_failed).
+  void finish(int64_t block);
+  // Block i left the device before it was computed: its read is no longer waited for.
+  void forget(int64_t block);
+  // Runs `eviction` (which may write block `evicted`'s host bytes) with no copy ahead reading
+  // those bytes meanwhile (Note [pageable host memory]).
+  void hold_around(int64_t evicted, const std::function<void()>& eviction);
+
+  // Bytes copied into slots from the file, and from pageable memory through the ring.
+  struct Counters {
+    uint64_t disk_bytes = 0, staged_bytes = 0;
+  };
+  const Counters& counters() const { return counters_; }
+  void reset_counters() { counters_ = {}; }
+
+private:
+  void start_staging(const std::optional<FileTier>& file, const std::vector<int64_t>& priority);
+  void read_ahead();
+  // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
+  StagingReader::Staged take(int64_t block, bool wait);
+  void copy_staged(int64_t block, std::byte* slot);
+
+  std::shared_ptr<Backend> backend_;
+  HostStore& store_;
+  const std::size_t slot_bytes_;
+  const std::string label_;
+  const std::function<void()> file_failed_;
+  Counters counters_;
+  std::vector<bool> staged_;                 // per block: loaded through the staging ring
+  std::vector<StagingReader::Staged> reads_; // per block: its load's read, not yet waited for
+  std::size_t depth_ = 0;                    // the staging buffers: read-ahead's depth
+  bool stages_memory_ = false;               // some staged blocks come from pageable memory
+  std::vector<int64_t> order_;               // the staged blocks a pass loads, in order
+  std::size_t cursor_ = 0;                   // the next of them to request
+  std::deque<int64_t> ahead_;                // requested from the reader, not yet taken
+  std::unique_ptr<StagingReader> reader_;
+};
+
+} // namespace blockswap
