@@ -33,7 +33,7 @@ constexpr int64_t kPageableStaging = 2;
 } // namespace
 
 // Note [the file tier]
-// A block in the file has no host copy. A reader thread (core/file_reader.hpp) reads its bytes
+// A block in the file has no host copy. A reader thread (core/staging_ring.hpp) reads its bytes
 // into one of a ring of pinned staging buffers, and its load copies them from there to its slot
 // on the copy stream; the buffer is read into again only after that copy (an event the reader
 // waits for from its thread), so a copy in flight delays only the read that needs its buffer.
@@ -240,6 +240,13 @@ void LoadPipeline::read_ahead() {
   }
 }
 
+// Note [a decode step]
+// Bytes that are not the slot's as they are (losslessly compressed weights) are decoded on the
+// device between the source and the slot: both paths below end in one copy_to_device of the
+// source's bytes, which for such a block copies them into a device buffer the Device accounts
+// for, followed on the copy stream by the decode into the slot. The source, the ring and the
+// read order stay as they are; the host copy, the node-shared copy and the staging buffers hold
+// the compressed bytes.
 void LoadPipeline::copy_into(int64_t block, std::byte* slot) {
   const std::size_t bytes = store_.bytes(block);
   if (staged(block)) {

@@ -1,6 +1,6 @@
 #include "blockswap/device/device.hpp"
 
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 
 #include <algorithm>
 #include <charconv>

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "block_layout.hpp"
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 
 namespace blockswap::torch_frontend {
 

@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "blockswap/core/error.hpp"
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/simulator.hpp"
 

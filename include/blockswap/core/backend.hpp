@@ -18,7 +18,7 @@
 
 namespace blockswap {
 
-class StagingReader; // core/file_reader.hpp
+class StagingReader; // core/staging_ring.hpp
 struct StagingSpec;
 
 // Move-only owner of a range of host or device memory; frees it with the function it was made
@@ -28,7 +28,7 @@ public:
   using Free = std::function<void(std::byte* data, std::size_t bytes)>;
   // Host memory the system refused to page-lock (Backend::allocate_host's fallback): a copy
   // from or to it makes the host wait for the copy stream (Note [pageable host memory] in
-  // engine_staging.cpp).
+  // load_pipeline.cpp).
   enum class Pinning { pinned_or_device, pageable };
 
   Buffer() = default;
@@ -138,7 +138,7 @@ public:
   virtual void synchronize(const Event& event) = 0;
   // Makes later work on `stream` wait until `until` returns: the stream calls it, on a thread
   // of the backend's, once it gets there, and the host does not wait (the staging ring's copy
-  // waits so for its read, Note [the file tier] in engine_staging.cpp). `until` may block
+  // waits so for its read, Note [the file tier] in load_pipeline.cpp). `until` may block
   // waiting for another host thread, as long as nothing it waits for is behind it on the
   // stream; it must not throw, nor call into the backend. Default: the host calls it now.
   virtual void wait_host(Stream /*stream*/, std::function<void()> until) { until(); }
@@ -152,8 +152,9 @@ public:
     return std::nullopt;
   }
   virtual MemoryStats memory() const = 0;
-  // The reader of the engine's staging ring (core/file_reader.hpp): a FileReader over the file
-  // and pageable memory (defined in file_reader.cpp); the timed device models a disk instead.
+  // The reader of the load pipeline's staging ring (core/staging_ring.hpp): a StagingRing over
+  // the file and pageable memory (FileReader, defined in file_source.cpp); the timed device
+  // models a disk instead.
   virtual std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec);
 };
 

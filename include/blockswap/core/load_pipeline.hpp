@@ -2,7 +2,7 @@
 //
 // A block's source is the tier its HostStore names (HostStore::tier): pinned host memory is
 // copied to the slot on the copy stream as it is; pageable host memory and the model's file go
-// through the staging ring (core/file_reader.hpp), which a reader fills ahead of the loads in
+// through the staging ring (core/staging_ring.hpp), which a reader fills ahead of the loads in
 // the order they will come (the schedule's pass), and the copy out of a staging buffer waits on
 // the copy stream for its read. A step that changes the bytes on their way (a decoder of
 // compressed weights) goes between the source and the copy, here.
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 #include "blockswap/core/host_store.hpp"
 #include "blockswap/core/schedule.hpp"
 

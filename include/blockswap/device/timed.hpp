@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 #include "blockswap/core/simulator.hpp"
 
 namespace blockswap {

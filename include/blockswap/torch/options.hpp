@@ -15,7 +15,7 @@
 #include <variant>
 #include <vector>
 
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 #include "blockswap/device/device.hpp"

@@ -1,8 +1,8 @@
-// The engine where the system caps page-locked memory: blocks whose host copies are pageable
-// are loaded through a pinned staging ring, exactly, and no load makes the host wait for the
-// copy stream (Note [pageable host memory] in engine_staging.cpp). On the emulated device, whose
-// pinning caps as a system's would; compiled with BLOCKSWAP_TEST_CUDA (label gpu), the same
-// cases on the CUDA backend, its pinning capped by CappedPinning below.
+// The load pipeline under the engine where the system caps page-locked memory: blocks whose host
+// copies are pageable are loaded through a pinned staging ring, exactly, and no load makes the host
+// wait for the copy stream (Note [pageable host memory] in load_pipeline.cpp). On the emulated
+// device, whose pinning caps as a system's would; compiled with BLOCKSWAP_TEST_CUDA (label gpu),
+// the same cases on the CUDA backend, its pinning capped by CappedPinning below.
 #include <gtest/gtest.h>
 
 #include <algorithm>

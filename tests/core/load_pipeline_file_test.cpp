@@ -1,6 +1,6 @@
-// The engine's file tier: blocks over the host budget are read from the model's file for each
-// load, in any call pattern, exactly; a file that fails under the run is an Error that loses
-// nothing.
+// The load pipeline's file tier under the engine: blocks over the host budget are read from the
+// model's file for each load, in any call pattern, exactly; a file that fails under the run is
+// an Error that loses nothing.
 #include <gtest/gtest.h>
 #include <unistd.h>
 

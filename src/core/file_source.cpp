@@ -1,4 +1,6 @@
-#include "blockswap/core/file_reader.hpp"
+// The staging ring's sources (core/file_source.hpp): the model's file, read past the page cache,
+// and pageable host memory; the default staging reader over them.
+#include "blockswap/core/file_source.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -8,7 +10,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <future>
+#include <thread>
 
 #include "blockswap/core/error.hpp"
 
@@ -64,32 +66,9 @@ std::vector<FileBlock> in_file_order(std::vector<FileBlock> blocks) {
 
 } // namespace
 
-FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
-                       const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
-                       CacheBypass bypass, Backend* backend)
-    : path_(std::move(path)), label_(std::move(label)), blocks_(in_file_order(std::move(blocks))),
-      backend_(backend) {
-  for (const auto& buffer : staging) free_.push_back(Free{buffer, {}});
-  BLOCKSWAP_CHECK_ARGUMENT(!free_.empty(), "[", label_,
-                           "] the file tier needs at least one "
-                           "staging buffer");
-  std::size_t largest = 0;
-  bool reads_file = false;
-  for (const FileBlock& b : blocks_) {
-    largest = std::max(largest, b.bytes);
-    reads_file = reads_file || !b.ranges.empty();
-    BLOCKSWAP_CHECK_ARGUMENT(b.memory == nullptr || b.ranges.empty(), "[", label_,
-                             "] a staged block comes from memory or from the file, not both");
-  }
-  for (const auto& [buffer, copied] : free_) {
-    BLOCKSWAP_CHECK(buffer && buffer->size() >= largest, "[", label_, "] a staging buffer of ",
-                    buffer ? buffer->size() : 0, " bytes cannot hold the largest block (", largest,
-                    " bytes)");
-  }
-  if (!reads_file) { // pageable host memory only
-    thread_ = std::thread([this] { run(); });
-    return;
-  }
+FileSource::FileSource(std::string path, std::vector<FileBlock> blocks, std::string label,
+                       CacheBypass bypass)
+    : path_(std::move(path)), label_(std::move(label)), blocks_(in_file_order(std::move(blocks))) {
   if (bypass == CacheBypass::direct) {
     fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);
     direct_ = fd_ >= 0;
@@ -126,184 +105,16 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
     ::close(fd_);
     throw;
   }
-  thread_ = std::thread([this] { run(); });
 }
 
-FileReader::~FileReader() {
-  {
-    std::lock_guard lock(shared_->mutex);
-    stopping_ = true;
-  }
-  shared_->changed.notify_all();
-  thread_.join();
-  if (fd_ >= 0) ::close(fd_);
-}
-
-StagingReader::Staged StagingReader::next() {
-  const Staged staged = take();
-  try {
-    wait(staged);
-  } catch (...) {
-    release(staged);
-    throw;
-  }
-  return staged;
-}
-
-void FileReader::give_buffers() {
-  for (const std::shared_ptr<Read>& read : reads_) {
-    if (free_.empty()) return;
-    if (read->into.buffer) continue;
-    read->into = std::move(free_.front());
-    free_.pop_front();
-  }
-}
-
-void FileReader::request(int64_t block) {
-  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
-                  " is out of range for the file tier's ", blocks(), " blocks");
-  {
-    std::lock_guard lock(shared_->mutex);
-    auto read = std::make_shared<Read>();
-    read->block = block;
-    reads_.push_back(std::move(read));
-    give_buffers();
-  }
-  shared_->changed.notify_all();
-}
-
-StagingReader::Staged FileReader::take() {
-  std::lock_guard lock(shared_->mutex);
-  const auto it = std::find_if(reads_.begin(), reads_.end(),
-                               [](const std::shared_ptr<Read>& r) { return !r->taken; });
-  BLOCKSWAP_CHECK(it != reads_.end(), "[", label_, "] take() with no block requested");
-  const std::shared_ptr<Read> read = *it;
-  BLOCKSWAP_CHECK(read->into.buffer != nullptr, "[", label_,
-                  "] every staging buffer is held: release() blocks before taking more");
-  read->taken = true;
-  if (read->done) reads_.erase(it);
-  return Staged{read->block, read->into.buffer, read};
-}
-
-void FileReader::copy_after(const Staged& staged) {
-  BLOCKSWAP_CHECK(backend_ != nullptr, "[", label_,
-                  "] the file reader was given no backend to order a copy with");
-  backend_->wait_host(Stream::copy, [shared = shared_, read = staged.read] {
-    const auto* r = static_cast<const Read*>(read.get());
-    std::unique_lock lock(shared->mutex);
-    shared->changed.wait(lock, [&] { return r->done; });
-  });
-}
-
-void FileReader::Failure::raise() const {
-  switch (kind) {
-  case Kind::out_of_memory:
-    throw OutOfMemory(what);
-  case Kind::invalid_argument:
-    throw InvalidArgument(what);
-  default:
-    throw Error(what);
-  }
-}
-
-void FileReader::wait(const Staged& staged) {
-  const auto* read = static_cast<const Read*>(staged.read.get());
-  BLOCKSWAP_CHECK(read != nullptr, "[", label_, "] wait() for a block take() did not give");
-  std::unique_lock lock(shared_->mutex);
-  shared_->changed.wait(lock, [&] { return read->done; });
-  if (read->failure) read->failure.raise();
-}
-
-void FileReader::release(const Staged& staged, std::shared_ptr<const Event> copied) {
-  if (!staged.buffer) return;
-  BLOCKSWAP_CHECK(copied == nullptr || backend_ != nullptr, "[", label_,
-                  "] the file reader was given no backend to wait for a copy with");
-  std::function<void()> wait;
-  if (copied != nullptr) {
-    wait = [backend = backend_, copied = std::move(copied)] { backend->synchronize(*copied); };
-  }
-  {
-    std::lock_guard lock(shared_->mutex);
-    free_.push_back(Free{staged.buffer, std::move(wait)});
-    give_buffers();
-  }
-  shared_->changed.notify_all();
-}
-
-void FileReader::cancel() {
-  std::unique_lock lock(shared_->mutex);
-  shared_->changed.wait(lock, [&] { return reading_ == nullptr || reading_->taken; });
-  std::deque<Free> freed; // they were to be given first, and are again
-  std::erase_if(reads_, [&](const std::shared_ptr<Read>& r) {
-    if (r->taken) return false;
-    if (r->into.buffer) freed.push_back(std::move(r->into));
-    return true;
-  });
-  free_.insert(free_.begin(), std::make_move_iterator(freed.begin()),
-               std::make_move_iterator(freed.end()));
-}
-
-uint64_t FileReader::bytes_read() const {
-  std::lock_guard lock(shared_->mutex);
-  return bytes_read_;
-}
-
-// Reads in the order asked, each once its buffer is free. Stopping, the blocks already taken are
-// still read: the copy stream may wait for them.
-void FileReader::run() {
-  std::unique_lock lock(shared_->mutex);
-  while (true) {
-    std::shared_ptr<Read> read;
-    shared_->changed.wait(lock, [&] {
-      read = nullptr;
-      for (const std::shared_ptr<Read>& r : reads_) {
-        if (!r->done) {
-          read = r;
-          break;
-        }
-      }
-      if (stopping_) return true;
-      return read != nullptr && read->into.buffer != nullptr;
-    });
-    if (read == nullptr || read->into.buffer == nullptr || (stopping_ && !read->taken)) {
-      drop_reads(); // they write into the bounce parts
-      return;
-    }
-    reading_ = read.get();
-    const std::function<void()> copied = std::exchange(read->into.copied, {});
-    std::byte* const into = read->into.buffer->data();
-    const int64_t block = read->block;
-    lock.unlock();
-    Failure failure;
-    try {
-      if (copied) copied(); // the copy out of this buffer is done
-      if (blocks_[block].memory != nullptr) {
-        copy_block(block, into);
-      } else {
-        read_block(block, into);
-      }
-    } catch (const OutOfMemory& e) {
-      failure = {Failure::Kind::out_of_memory, e.what()};
-    } catch (const InvalidArgument& e) {
-      failure = {Failure::Kind::invalid_argument, e.what()};
-    } catch (const std::exception& e) {
-      failure = {Failure::Kind::error, e.what()};
-    } catch (...) {
-      failure = {Failure::Kind::error, "[" + label_ + "] a read failed with an unknown error"};
-    }
-    lock.lock();
-    read->done = true;
-    read->failure = std::move(failure);
-    reading_ = nullptr;
-    if (read->taken) std::erase(reads_, read);
-    if (!failure) bytes_read_ += blocks_[block].bytes;
-    shared_->changed.notify_all();
-  }
+FileSource::~FileSource() {
+  drop_reads();
+  ::close(fd_);
 }
 
 // A block in pageable host memory: one memcpy reaches about a third of a PCIe 4 link's
 // bandwidth, so large blocks are copied in parts at once (as the file's are read).
-void FileReader::copy_block(int64_t block, std::byte* into) const {
+void MemorySource::read(int64_t block, std::byte* into, const std::function<int64_t()>&) {
   const FileBlock& b = blocks_[block];
   const std::size_t parts = std::clamp<std::size_t>(b.bytes / kPart, 1, kCopyThreads);
   const std::size_t part = (b.bytes / parts + kAlign - 1) / kAlign * kAlign;
@@ -317,7 +128,7 @@ void FileReader::copy_block(int64_t block, std::byte* into) const {
   for (std::thread& t : helpers) t.join();
 }
 
-void FileReader::check_unchanged(int64_t block) const {
+void FileSource::check_unchanged(int64_t block) const {
   struct stat s {};
   BLOCKSWAP_CHECK(::fstat(fd_, &s) == 0, "[", label_, "] cannot stat '", path_, "' to read block ",
                   block, ": ", std::strerror(errno));
@@ -333,7 +144,7 @@ void FileReader::check_unchanged(int64_t block) const {
 
 // Reads `bytes` of the file from `offset` into `into` (fewer at the end of the file); a read
 // error is an Error naming the block.
-uint64_t FileReader::read_part(int64_t block, std::byte* into, uint64_t offset,
+uint64_t FileSource::read_part(int64_t block, std::byte* into, uint64_t offset,
                                uint64_t bytes) const {
   uint64_t done = 0;
   while (done < bytes) {
@@ -348,7 +159,7 @@ uint64_t FileReader::read_part(int64_t block, std::byte* into, uint64_t offset,
   return done;
 }
 
-std::vector<FileReader::Part> FileReader::parts_of(int64_t block) const {
+std::vector<FileSource::Part> FileSource::parts_of(int64_t block) const {
   std::vector<Part> parts;
   for (const FileRange& r : blocks_[block].ranges) { // in file order (in_file_order)
     uint64_t at = align_down(r.file_offset);
@@ -362,7 +173,7 @@ std::vector<FileReader::Part> FileReader::parts_of(int64_t block) const {
 }
 
 // Note [reading past the page cache]
-void FileReader::issue(int64_t block, std::size_t part, Part stretch) {
+void FileSource::issue(int64_t block, std::size_t part, Part stretch) {
   std::byte* const bounce = bounce_.get() + next_part_ * kPart;
   std::future<uint64_t> got = std::async(std::launch::async, [this, block, bounce, stretch] {
     const uint64_t read = read_part(block, bounce, stretch.at, stretch.want);
@@ -376,23 +187,12 @@ void FileReader::issue(int64_t block, std::size_t part, Part stretch) {
   next_part_ = (next_part_ + 1) % kParts;
 }
 
-void FileReader::drop_reads() {
+void FileSource::drop_reads() {
   for (InFlight& f : in_flight_) f.got.wait();
   in_flight_.clear();
 }
 
-int64_t FileReader::block_after() const {
-  std::lock_guard lock(shared_->mutex);
-  if (stopping_) return -1;
-  bool past = false; // reads_ is in the order asked; the one being read is reading_
-  for (const std::shared_ptr<Read>& r : reads_) {
-    if (past && !r->done) return r->block;
-    past = past || r.get() == reading_;
-  }
-  return -1;
-}
-
-void FileReader::read_block(int64_t block, std::byte* into) {
+void FileSource::read(int64_t block, std::byte* into, const std::function<int64_t()>& next) {
   // Reads in flight are this block's first parts, read ahead, or the order changed.
   if (!in_flight_.empty() && (in_flight_.front().block != block || in_flight_.front().part != 0)) {
     drop_reads();
@@ -415,8 +215,10 @@ void FileReader::read_block(int64_t block, std::byte* into) {
         return;
       }
       if (after == -2) {
-        after = block_after();
-        if (after >= 0 && blocks_[after].memory == nullptr) after_parts = parts_of(after);
+        after = next();
+        if (after >= 0 && after < static_cast<int64_t>(blocks_.size())) {
+          after_parts = parts_of(after); // none for a block that is not in the file
+        }
       }
       if (ahead < after_parts.size()) {
         issue(after, ahead, after_parts[ahead]);
@@ -453,6 +255,40 @@ void FileReader::read_block(int64_t block, std::byte* into) {
     throw;
   }
 }
+
+FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlock> blocks,
+                                           const std::string& label, CacheBypass bypass) {
+  Sources sources;
+  bool reads_file = false, reads_memory = false;
+  for (const FileBlock& b : blocks) {
+    BLOCKSWAP_CHECK_ARGUMENT(b.memory == nullptr || b.ranges.empty(), "[", label,
+                             "] a staged block comes from memory or from the file, not both");
+    sources.bytes.push_back(b.bytes);
+    reads_file = reads_file || !b.ranges.empty();
+    reads_memory = reads_memory || b.memory != nullptr;
+  }
+  std::shared_ptr<MemorySource> memory;
+  if (reads_memory) memory = std::make_shared<MemorySource>(blocks);
+  if (reads_file) sources.file = std::make_shared<FileSource>(std::move(path), blocks, label, bypass);
+  for (const FileBlock& b : blocks) {
+    sources.per_block.push_back(b.memory != nullptr ? std::shared_ptr<BlockSource>(memory)
+                                : !b.ranges.empty() ? std::shared_ptr<BlockSource>(sources.file)
+                                                    : nullptr);
+  }
+  return sources;
+}
+
+FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
+                       const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
+                       CacheBypass bypass, Backend* backend)
+    : FileReader(sources_of(std::move(path), std::move(blocks), label, bypass), staging, label,
+                 backend) {}
+
+FileReader::FileReader(Sources sources, const std::vector<std::shared_ptr<Buffer>>& staging,
+                       std::string label, Backend* backend)
+    : StagingRing(std::move(sources.bytes), std::move(sources.per_block), staging,
+                  std::move(label), backend),
+      file_(std::move(sources.file)) {}
 
 std::unique_ptr<StagingReader> Backend::make_staging_reader(StagingSpec spec) {
   return std::make_unique<FileReader>(std::move(spec.path), std::move(spec.blocks), spec.staging,
