@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "blockswap/core/file_reader.hpp"
+#include "blockswap/core/file_source.hpp"
 
 using namespace blockswap;
 
