@@ -1,10 +1,12 @@
 // The three tiers on the timed device (device slots, pinned host memory, the file): the real
 // engine's step against the bound T* and the simulator's prediction (what `blockswap plan`
 // predicts), for the FLUX and Wan 14B shapes, a disk of 7 GB/s (PCIe 4 NVMe) and 3 GB/s, the
-// link at 25 GB/s, at copy/compute ratios 0.5 and 1.0, and several host budgets. Device time:
-// the same figures on any machine.
+// link at 25 GB/s, at copy/compute ratios 0.5 and 1.0, and several host budgets, with the
+// engine's own placement of the blocks held (host_priority) and the one the planner chooses
+// with the simulator (file_priority). Device time: the same figures on any machine.
 //
 //   build/bench/three_tier_bench            # a table (docs/performance.md, "Three tiers")
+//   build/bench/three_tier_bench 4          # a staging ring of 4 buffers (2 by default)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "blockswap/core/engine.hpp"
+#include "blockswap/core/planner.hpp"
 #include "blockswap/core/simulator.hpp"
 #include "blockswap/device/device.hpp"
 #include "blockswap/device/timed.hpp"
@@ -32,32 +35,68 @@ struct Row {
   int64_t in_file = 0, blocks = 0;
 };
 
+// Where each list's host budget goes: the engine's own order (host_priority), or, `planned`,
+// the order the planner chooses with the simulator for these costs (file_priority).
+std::vector<std::vector<int64_t>> priorities(const Shape& shape, const std::vector<int64_t>& ks,
+                                             Mode mode, double ratio,
+                                             const std::vector<std::size_t>& budgets,
+                                             const LinkModel& link, bool planned) {
+  std::vector<std::vector<int64_t>> order;
+  if (!planned) return order;
+  std::vector<Schedule> schedules;
+  std::vector<BlockTiming> timings;
+  for (std::size_t l = 0; l < shape.blocks.size(); ++l) {
+    const int64_t n = shape.blocks[l];
+    schedules.emplace_back(ScheduleOptions{n, ks[l], mode});
+    timings.push_back(uniform_timing(n, link.seconds(shape.bytes[l]) / ratio, shape.bytes[l]));
+    // As the engine orders its blocks (engine.cpp): training's moves first when it trains.
+    std::vector<Schedule> modes;
+    if (mode == Mode::training) modes.emplace_back(ScheduleOptions{n, ks[l], Mode::training});
+    modes.emplace_back(ScheduleOptions{n, ks[l], Mode::forward_only});
+    std::vector<const Schedule*> pointers;
+    for (const Schedule& schedule : modes) pointers.push_back(&schedule);
+    order.push_back(host_priority(n, pointers));
+  }
+  std::vector<SimulatedList> lists;
+  for (std::size_t l = 0; l < schedules.size(); ++l) lists.push_back({&schedules[l], &timings[l]});
+  return file_priority(lists, link, budgets, std::move(order));
+}
+
 // One step of `shape` with K per list and a host budget of `held` of each list's moved blocks
 // (the rest of them read from the file for each load).
 Row run(const Shape& shape, const std::vector<int64_t>& ks, Mode mode, double ratio, double held,
-        const LinkModel& link) {
+        const LinkModel& link, bool planned) {
   auto timed = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
   Device device(timed);
   std::vector<std::unique_ptr<Engine>> engines;
   std::vector<BlockTiming> timings;
   Row row;
+  std::vector<std::size_t> budgets;
   for (std::size_t l = 0; l < shape.blocks.size(); ++l) {
-    const int64_t n = shape.blocks[l];
-    const std::size_t bytes = shape.bytes[l];
-    const Schedule probe({n, ks[l], mode});
+    const Schedule probe({shape.blocks[l], ks[l], mode});
     int64_t moved = 0;
-    std::vector<bool> seen(static_cast<std::size_t>(n), false);
+    std::vector<bool> seen(static_cast<std::size_t>(shape.blocks[l]), false);
     for (const Op& op : probe.pass()) {
       if (op.kind == Op::Kind::move && !seen[op.move.in]) {
         seen[op.move.in] = true;
         ++moved;
       }
     }
+    budgets.push_back(static_cast<std::size_t>(held * double(moved)) * shape.bytes[l]);
+  }
+  const std::vector<std::vector<int64_t>> order =
+      priorities(shape, ks, mode, ratio, budgets, link, planned);
+  for (std::size_t l = 0; l < shape.blocks.size(); ++l) {
+    const int64_t n = shape.blocks[l];
+    const std::size_t bytes = shape.bytes[l];
     EngineOptions options{.blocks_to_swap = ks[l], .supports_backward = mode == Mode::training};
     options.trainable_bytes.assign(static_cast<std::size_t>(n), 0);
-    options.file = FileTier{"", std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
-                            static_cast<std::size_t>(held * double(moved)) * bytes,
-                            link.staging_buffers, CacheBypass::direct};
+    options.file = FileTier{"",
+                            std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
+                            budgets[l],
+                            link.staging_buffers,
+                            CacheBypass::direct,
+                            planned ? order[l] : std::vector<int64_t>{}};
     engines.push_back(std::make_unique<Engine>(
         device.attach(shape.name), std::vector<std::size_t>(n, bytes), options, shape.name));
     BlockTiming timing = uniform_timing(n, link.seconds(bytes) / ratio, bytes, 2.0);
@@ -93,7 +132,8 @@ int main(int argc, char** argv) {
   };
   std::printf("| model | mode | K | disk GB/s | copy/compute | moved blocks in host memory | "
               "blocks in the file | step (s) | T* (s) | step / T* | disk / T* | predicted / "
-              "step |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+              "step | step / T*, placement planned | predicted / step, planned |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
   for (const Shape& shape : shapes) {
     for (Mode mode : {Mode::forward_only, Mode::training}) {
       const int64_t n = shape.blocks[0];
@@ -104,14 +144,15 @@ int main(int argc, char** argv) {
         const LinkModel link{25e9, 5e-6, disk, ring};
         for (double ratio : {0.5, 1.0}) {
           for (double held : {0.0, 0.5, 0.75, 1.0}) {
-            const Row r = run(shape, ks, mode, ratio, held, link);
+            const Row r = run(shape, ks, mode, ratio, held, link, false);
+            const Row p = run(shape, ks, mode, ratio, held, link, true);
             std::printf("| %s | %s | %lld | %g | %g | %.0f %% | %lld of %lld | %.3f | %.3f | "
-                        "%.3f | %.2f | %.3f |\n",
+                        "%.3f | %.2f | %.3f | %.3f | %.3f |\n",
                         shape.name.c_str(), mode == Mode::training ? "train" : "infer",
                         static_cast<long long>(k), disk / 1e9, ratio, held * 100,
                         static_cast<long long>(r.in_file), static_cast<long long>(r.blocks),
                         r.measured, r.bound, r.measured / r.bound, r.disk / r.bound,
-                        r.predicted / r.measured);
+                        r.predicted / r.measured, p.measured / p.bound, p.predicted / p.measured);
             std::fflush(stdout);
           }
         }

@@ -52,6 +52,19 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
 // moves, then the others. The file tier's budget, and pinned memory where the system caps it
 // (the load pipeline's staging ring).
 std::vector<int64_t> host_priority(std::size_t blocks, const EngineOptions& options) {
+  if (options.file && !options.file->priority.empty()) { // the caller's (FileTier::priority)
+    const std::vector<int64_t>& given = options.file->priority;
+    std::vector<bool> seen(blocks, false);
+    for (int64_t b : given) {
+      BLOCKSWAP_CHECK_ARGUMENT(b >= 0 && static_cast<std::size_t>(b) < blocks && !seen[b],
+                               "the file tier's priority must name each of the ", blocks,
+                               " blocks once; it names ", b);
+      seen[b] = true;
+    }
+    BLOCKSWAP_CHECK_ARGUMENT(given.size() == blocks, "the file tier's priority names ",
+                             given.size(), " of the ", blocks, " blocks: name each once");
+    return given;
+  }
   std::vector<Schedule> schedules;
   if (options.supports_backward) {
     schedules.emplace_back(schedule_options(blocks, options, Mode::training));

@@ -269,7 +269,8 @@ FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlo
   }
   std::shared_ptr<MemorySource> memory;
   if (reads_memory) memory = std::make_shared<MemorySource>(blocks);
-  if (reads_file) sources.file = std::make_shared<FileSource>(std::move(path), blocks, label, bypass);
+  if (reads_file)
+    sources.file = std::make_shared<FileSource>(std::move(path), blocks, label, bypass);
   for (const FileBlock& b : blocks) {
     sources.per_block.push_back(b.memory != nullptr ? std::shared_ptr<BlockSource>(memory)
                                 : !b.ranges.empty() ? std::shared_ptr<BlockSource>(sources.file)
@@ -286,8 +287,8 @@ FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
 
 FileReader::FileReader(Sources sources, const std::vector<std::shared_ptr<Buffer>>& staging,
                        std::string label, Backend* backend)
-    : StagingRing(std::move(sources.bytes), std::move(sources.per_block), staging,
-                  std::move(label), backend),
+    : StagingRing(std::move(sources.bytes), std::move(sources.per_block), staging, std::move(label),
+                  backend),
       file_(std::move(sources.file)) {}
 
 std::unique_ptr<StagingReader> Backend::make_staging_reader(StagingSpec spec) {

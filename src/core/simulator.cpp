@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 
 #include "blockswap/core/error.hpp"
@@ -105,6 +106,21 @@ public:
   }
 
   double compute_end() const { return compute_; }
+
+  // Training: a step ends when nothing is in flight on any stream (time_step's finish()).
+  double step_end() const { return std::max({compute_, copy_, host_, d2h_}); }
+
+  // Training, the next step of a sequence (Note [training steps in sequence]): every stream
+  // starts where the step before ended; the disk and the staging ring go on, and the
+  // activations start over, as the front end's hooks do at each step.
+  void start_next_step() {
+    compute_ = copy_ = host_ = d2h_ = step_end();
+    pending_out_ = -1;
+    order_.clear();
+    std::fill(position_.begin(), position_.end(), kNoPosition);
+    std::fill(offloaded_.begin(), offloaded_.end(), false);
+    std::fill(restoring_.begin(), restoring_.end(), false);
+  }
 
   // Where everything stands, relative to the compute stream: equal at the ends of two chunks
   // means the steady state.
@@ -306,11 +322,26 @@ double chained_pass_seconds(const SimulatedList& list, double pass_compute, cons
 // one after another on the link, and the block loaded last computes only after its load, then
 // the rest of the half. Every list's halves are disjoint stretches of the compute stream, so
 // their bounds add up. Returns the half's compute when it moves nothing.
+//
+// Note [the disk in each half]
+// Likewise the file tier's reads of the half (docs/performance.md, "The bound T*"). A read holds
+// a staging buffer until the copy out of it ends, and the half's copies wait for slots that the
+// half's own computes free. So when the half starts at most Q of its reads (Q = the ring's
+// staging buffers) are done or under way, the one step before having read ahead what the ring
+// holds; the others follow one another on the disk. If Q are, every buffer is held, and the next
+// read waits for the first copy out of one: the half's first move from the file, after the
+// computes before it and its copy. The copy stream copies in order, each copy after its read,
+// so the half's last load ends after every read of the half, then the block it loads computes,
+// then the rest of the half. It is what binds when the disk is slower than the forward's compute
+// and the ring too shallow to carry the backward's spare disk time into the next forward.
 double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
   const BlockTiming& timing = *list.timing;
   double compute = 0, copies = 0;
   std::ptrdiff_t first_move = -1, last_move = -1;
+  std::vector<double> reads;    // the half's reads from the file
+  double before_first_read = 0; // the computes before the half's first move from the file
+  double first_read_copy = 0;   // and its copy
   for (std::size_t i = 0; i < ops.size(); ++i) {
     const Op& op = ops[i];
     if (op.kind != Op::Kind::move) {
@@ -321,6 +352,13 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
     last_move = static_cast<std::ptrdiff_t>(i);
     copies += link.seconds(timing.bytes[op.move.in]);
     if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
+    if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
+      if (reads.empty()) {
+        before_first_read = compute;
+        first_read_copy = link.seconds(timing.bytes[op.move.in]);
+      }
+      reads.push_back(link.disk_seconds(timing.bytes[op.move.in]));
+    }
   }
   if (first_move < 0) return compute;
   double before = 0, after = 0;
@@ -339,7 +377,23 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
   for (std::size_t i = static_cast<std::size_t>(from); i < ops.size(); ++i) {
     if (ops[i].kind != Op::Kind::move) after += compute_seconds(timing, ops[i]);
   }
-  return std::max(compute, before + copies + after);
+  double disk = 0;
+  if (!reads.empty()) {
+    // Every read but the j longest (those done or under way when the half starts).
+    std::sort(reads.begin(), reads.end(), std::greater<>());
+    auto all_but = [&](std::size_t j) {
+      double sum = 0;
+      for (std::size_t i = j; i < reads.size(); ++i) sum += reads[i];
+      return sum;
+    };
+    const auto q = static_cast<std::size_t>(std::max(1, link.staging_buffers));
+    const double rest =
+        reads.size() <= q
+            ? 0.0 // all of them may be read already
+            : std::min(all_but(q - 1), before_first_read + first_read_copy + all_but(q));
+    disk = rest + link.seconds(timing.bytes[last_loaded]) + after;
+  }
+  return std::max({compute, before + copies + after, disk});
 }
 
 // Every list's forward and backward segments are disjoint stretches of the compute stream.
@@ -417,10 +471,6 @@ Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link)
       last_state = std::move(state);
     }
   }
-  for (std::size_t i = 0; i < lists.size(); ++i) {
-    clock.play(lists[i], false, out[i], 1.0);
-    clock.next_list(static_cast<std::size_t>(lists[i].schedule->blocks()));
-  }
   // Backward goes through the lists in the reverse order; each keeps its own entries.
   std::vector<std::size_t> offsets;
   std::size_t offset = 0;
@@ -428,14 +478,57 @@ Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link)
     offsets.push_back(offset);
     offset += static_cast<std::size_t>(list.schedule->blocks());
   }
-  for (std::size_t i = lists.size(); i-- > 0;) {
+  auto play_step = [&] {
     clock.restart_lists();
-    clock.next_list(offsets[i]);
-    clock.play(lists[i], true, out[i], 1.0);
+    for (std::size_t i = 0; i < lists.size(); ++i) {
+      clock.play(lists[i], false, out[i], 1.0);
+      clock.next_list(static_cast<std::size_t>(lists[i].schedule->blocks()));
+    }
+    for (std::size_t i = lists.size(); i-- > 0;) {
+      clock.restart_lists();
+      clock.next_list(offsets[i]);
+      clock.play(lists[i], true, out[i], 1.0);
+    }
+  };
+  bool file = false;
+  for (const SimulatedList& list : lists) file = file || reads_file(list);
+  if (!file) { // every step starts from the same state: one is the steady state
+    play_step();
+    Simulation result = clock.result();
+    result.lists = std::move(out);
+    return result;
   }
-  Simulation result = clock.result();
-  result.lists = std::move(out);
-  return result;
+  // Note [training steps in sequence]
+  // The file tier's reader reads the next step's first loads during the backward, as far as the
+  // staging ring allows (engine_staging.cpp, read_ahead), so a step of a sequence may start with
+  // reads done that the first step must wait for. Steps are played until one ends in the state
+  // the previous one ended in (relative to the compute stream), and the last one is reported,
+  // from the end of the step before it; time_step() plays as many before it measures.
+  const std::vector<ListSimulation> zero = out;
+  std::vector<double> last_state;
+  double start = 0;
+  for (int step = 0;; ++step) {
+    clock.reset_counters();
+    out = zero;
+    play_step();
+    const double end = clock.step_end();
+    std::vector<double> state = clock.relative_state();
+    bool steady = state.size() == last_state.size();
+    for (std::size_t i = 0; steady && i < state.size(); ++i) {
+      steady = std::abs(state[i] - last_state[i]) <= 1e-9 * (1 + std::abs(state[i]));
+    }
+    if (steady || step + 1 >= kMaxTrainingSteps) {
+      Simulation result = clock.result();
+      result.step_seconds = end - start;
+      result.lists = std::move(out);
+      result.warmup_passes = step;
+      result.steady = steady;
+      return result;
+    }
+    last_state = std::move(state);
+    start = end;
+    clock.start_next_step();
+  }
 }
 
 Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {
@@ -443,13 +536,22 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
   return simulate(std::span<const SimulatedList>(&list, 1), link);
 }
 
+// Note [the staging ring]
+// A load from the file holds one of the list's Q staging buffers from the start of its read to
+// the end of its copy out: the disk and the link in series, per block. In the steady state the
+// buffers carry a step's loads from the file, so Q buffers take at least the sum of their reads
+// and copies over Q. It binds with a ring of one: every read then waits for the copy before it.
+// (The simulator plays one ring for every list, the engine has one per list: the bound takes
+// the list that needs most, which holds for both.)
+
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   check_lists(lists, link);
-  double compute = 0, copies = 0, slots = 0, reads = 0, out = 0;
+  double compute = 0, copies = 0, slots = 0, reads = 0, ring = 0, out = 0;
   double last_activation = 0; // the block computed last in the forward keeps its activations
   for (const SimulatedList& list : lists) {
     const Schedule& schedule = *list.schedule;
     const BlockTiming& timing = *list.timing;
+    double staged = 0; // Note [the staging ring]
     for (const Op& op : schedule.pass()) {
       if (op.kind != Op::Kind::move) {
         compute += compute_seconds(timing, op);
@@ -462,11 +564,14 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
       }
       if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
         reads += link.disk_seconds(timing.bytes[op.move.in]);
+        staged +=
+            link.disk_seconds(timing.bytes[op.move.in]) + link.seconds(timing.bytes[op.move.in]);
       }
       copies += link.seconds(timing.bytes[op.move.in]);
       if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
     }
     slots = std::max(slots, slot_seconds(list, link));
+    ring = std::max(ring, staged / std::max(1, link.staging_buffers));
   }
   double halves = 0;
   for (const SimulatedList& list : lists) {
@@ -480,7 +585,7 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   out -= last_activation;
   copies += out; // every offloaded activation comes back on the host->device link
   if (!link.duplex) copies += out;
-  return std::max({compute, copies, slots, reads, link.duplex ? out : 0.0});
+  return std::max({compute, copies, slots, reads, ring, link.duplex ? out : 0.0});
 }
 
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {

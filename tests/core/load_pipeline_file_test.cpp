@@ -128,6 +128,29 @@ TEST(FileTier, TheHostBudgetHoldsMovedBlocksFirstThenTheOthersAndTheFileTheRest)
   }
 }
 
+// A caller's order (FileTier::priority: the planner's file_priority) replaces the engine's; the
+// loads stay exact. One that does not name every block once is refused.
+TEST(FileTier, TheCallersPriorityPlacesTheBlocks) {
+  const ModelFile file(8, 1000);
+  EngineOptions options{.blocks_to_swap = 3};
+  options.file = file.tier(2 * 4000 + 100);
+  options.file->priority = {6, 0, 1, 2, 3, 4, 5, 7};
+  Engine engine(device(), file.bytes, options);
+  std::vector<bool> in_file;
+  for (int64_t b = 0; b < 8; ++b) in_file.push_back(engine.in_file(b));
+  EXPECT_EQ(in_file, (std::vector<bool>{false, true, true, true, true, true, false, true}));
+  file.fill(engine);
+  for (int pass = 0; pass < 3; ++pass) {
+    engine.prepare();
+    forward(engine);
+  }
+  for (const std::vector<int64_t>& wrong_order :
+       std::vector<std::vector<int64_t>>{{6, 0, 1, 2, 3, 4, 5}, {6, 6, 1, 2, 3, 4, 5, 7}, {8}}) {
+    options.file->priority = wrong_order;
+    EXPECT_THROW(Engine(device(), file.bytes, options), InvalidArgument);
+  }
+}
+
 // A training engine gives the budget to the blocks a training pass moves before those only
 // inference moves: a block a step loads is never read from the file while one it never loads
 // holds host memory.

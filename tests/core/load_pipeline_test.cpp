@@ -47,8 +47,8 @@ struct File {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write("0123456", 7);
     for (int64_t b = 0; b < n; ++b) {
-      blocks.push_back(FileBlock{{FileRange{static_cast<uint64_t>(out.tellp()), kBytes, 0}},
-                                 kBytes});
+      blocks.push_back(
+          FileBlock{{FileRange{static_cast<uint64_t>(out.tellp()), kBytes, 0}}, kBytes});
       for (std::size_t i = 0; i < kBytes; ++i) out.put(static_cast<char>(pattern(b, i)));
     }
   }

@@ -275,6 +275,77 @@ TEST(Simulator, MoreStagingBuffersNeverSlowAStep) {
   }
 }
 
+// Training with every block in the file, a read taking 3.5 forwards (Wan 14B at 7 GB/s, copy =
+// compute): the forward's 20 reads take 70 against its 40 of compute, the backward's 70 against
+// 80. The reader reads the next step's first loads during the backward's spare time, as far as
+// the ring holds (Note [training steps in sequence]); the step is the steady state, and the
+// bound counts what a ring of Q leaves (Note [the disk in each half], Note [the staging ring]).
+TEST(Simulator, TheStagingRingSetsTheStepWhereTheDiskIsTheBound) {
+  const Schedule s({40, 20, Mode::training});
+  const BlockTiming t = from_file(uniform_timing(40, kC, kS), 0, 40);
+  // Ring 1: each read waits for the copy before it, 40 x (3.5 + 1). Ring 2 and 3: the forward
+  // waits for its block 0 and first copy, then the 18 (17) reads the ring did not hold, then the
+  // last copy and block 39; then the backward's 80. Ring 4: the disk, 40 x 3.5.
+  const std::vector<std::pair<int, double>> expected = {{1, 180.0},
+                                                        {2, 1 + 1 + 18 * 3.5 + 1 + 1 + 80},
+                                                        {3, 1 + 1 + 17 * 3.5 + 1 + 1 + 80},
+                                                        {4, 140.0}};
+  for (const auto& [ring, step] : expected) {
+    LinkModel link = kUnitLink;
+    link.disk_bytes_per_second = kS / 3.5;
+    link.staging_buffers = ring;
+    const Simulation r = simulate(s, t, link);
+    EXPECT_NEAR(r.step_seconds, step, 1e-9) << "ring " << ring;
+    EXPECT_NEAR(step_bound(s, t, link), step, 1e-9) << "ring " << ring;
+    EXPECT_NEAR(r.disk_busy_seconds, 140.0, 1e-9);
+    EXPECT_TRUE(r.steady);
+    EXPECT_GE(r.warmup_passes, 1) << "the first step reads nothing ahead";
+  }
+}
+
+// Random shapes with blocks in the file: any disk, any ring, one to three lists.
+TEST(Simulator, NeverBeatsTheBoundWithTheFileTier) {
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 2000; ++trial) {
+    const Mode mode = trial % 2 == 0 ? Mode::forward_only : Mode::training;
+    const int lists = 1 + trial % 3;
+    std::vector<Schedule> schedules;
+    std::vector<BlockTiming> timings;
+    for (int l = 0; l < lists; ++l) {
+      const int64_t n = std::uniform_int_distribution<int64_t>(2, 16)(rng);
+      const int64_t k = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+      const int64_t r = mode == Mode::forward_only && k > 0
+                            ? std::uniform_int_distribution<int64_t>(1, n - k)(rng)
+                            : 0;
+      schedules.emplace_back(ScheduleOptions{n, k, mode, r});
+      BlockTiming t;
+      for (int64_t b = 0; b < n; ++b) {
+        t.forward_seconds.push_back(std::uniform_real_distribution<double>(0.1, 3.0)(rng));
+        t.bytes.push_back(std::uniform_int_distribution<std::size_t>(100, 5000)(rng));
+        t.from_file.push_back(rng() % 2 == 0);
+      }
+      timings.push_back(std::move(t));
+    }
+    std::vector<SimulatedList> simulated;
+    for (int l = 0; l < lists; ++l) simulated.push_back({&schedules[l], &timings[l]});
+    LinkModel link{std::uniform_real_distribution<double>(300, 3000)(rng), 0.05 * (trial % 2)};
+    link.disk_bytes_per_second = std::uniform_real_distribution<double>(50, 3000)(rng);
+    link.staging_buffers = 1 + trial % 4;
+    const double bound = step_bound(simulated, link);
+    const Simulation r = simulate(simulated, link);
+    ASSERT_GE(r.step_seconds, bound * (1 - 1e-9))
+        << "trial " << trial << ": " << schedules[0].describe() << ", ring "
+        << link.staging_buffers;
+  }
+}
+
+TEST(Simulator, TrainingWithoutTheFileIsOneStep) {
+  const Simulation r =
+      simulate(Schedule({12, 5, Mode::training}), uniform_timing(12, kC, kS), kUnitLink);
+  EXPECT_EQ(r.warmup_passes, 0);
+  EXPECT_TRUE(r.steady);
+}
+
 TEST(Simulator, FileTierBlocksNeedADisk) {
   const Schedule s({4, 1, Mode::forward_only});
   BlockTiming t = from_file(uniform_timing(4, kC, kS), 0, 4);

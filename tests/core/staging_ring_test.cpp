@@ -141,8 +141,8 @@ public:
 TEST(StagingRing, ReadsThroughItsSourceInOrderAndRaisesAFailedReadWhereItIsWaitedFor) {
   auto source = std::make_shared<PatternSource>();
   {
-    StagingRing ring_({64, 64, 64, 64, 0}, {source, source, source, source, nullptr},
-                      ring(1, 64), "pattern");
+    StagingRing ring_({64, 64, 64, 64, 0}, {source, source, source, source, nullptr}, ring(1, 64),
+                      "pattern");
     for (int64_t b : {1, 3, 2, 4}) ring_.request(b);
     const StagingReader::Staged one = ring_.next();
     EXPECT_EQ(one.block, 1);
@@ -167,8 +167,11 @@ TEST(StagingRing, ReadsThroughItsSourceInOrderAndRaisesAFailedReadWhereItIsWaite
 
 TEST(StagingRing, BuffersSmallerThanTheLargestBlockAreRefused) {
   auto source = std::make_shared<PatternSource>();
-  expect_error([&] { StagingRing({64, 128}, {source, source}, ring(2, 100), "pattern"); },
-               {"[pattern] a staging buffer of 100 bytes cannot hold the largest block (128"});
+  expect_error(
+      [&] {
+        StagingRing({64, 128}, {source, source}, ring(2, 100), "pattern");
+      },
+      {"[pattern] a staging buffer of 100 bytes cannot hold the largest block (128"});
   expect_error([&] { StagingRing({64}, {source}, {}, "pattern"); },
                {"needs at least one staging buffer"});
 }

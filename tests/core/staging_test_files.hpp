@@ -52,7 +52,8 @@ inline std::vector<std::shared_ptr<Buffer>> ring(int buffers, std::size_t bytes)
 // Blocks of the file as a loader lays them out: block b's tensors are `tensors` ranges of
 // `tensor` bytes, each at an odd offset (safetensors does not align), packed in reverse order
 // with a 64-byte gap, so that both the file offsets and the packed offsets matter.
-inline std::vector<FileBlock> blocks_of(int n, int tensors, std::size_t tensor, uint64_t first = 13) {
+inline std::vector<FileBlock> blocks_of(int n, int tensors, std::size_t tensor,
+                                        uint64_t first = 13) {
   std::vector<FileBlock> blocks(n);
   uint64_t at = first;
   for (int b = 0; b < n; ++b) {

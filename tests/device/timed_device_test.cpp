@@ -267,9 +267,9 @@ TEST(TimedDevice, TwoListsOnOneDeviceAgreeWithTheSimulator) {
 // The file tier on the timed device: the disk in series with the link, as the simulator plays
 // it, for disks faster than, as fast as and slower than the link, every host budget (the copy
 // waits for the read on the copy stream, the host only where the block is computed: neither
-// the engine nor the simulator lets a read hold back the host's enqueueing). With a disk slower
-// than the link the simulator is up to 2.6 % slower than the engine in training: the step is
-// held within 2 % above it and 3 % below.
+// the engine nor the simulator lets a read hold back the host's enqueueing). Training is a step
+// of a sequence (Note [training steps in sequence]): when both played the first step alone, the
+// engine's prepare() had read ahead for it and the simulator was up to 2.6 % slower.
 TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
   constexpr int64_t n = 12;
   constexpr std::size_t kBytes = 50'000'000;
@@ -296,9 +296,8 @@ TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
                                    std::to_string(budget_blocks);
           const double ratio = measured.step_seconds / predicted.step_seconds;
           EXPECT_LE(ratio, 1.02) << what;
-          EXPECT_GE(ratio, disk >= link.bytes_per_second ? 0.98 : 0.97)
-              << what << ": measured " << measured.step_seconds << " s, simulated "
-              << predicted.step_seconds << " s";
+          EXPECT_GE(ratio, 0.98) << what << ": measured " << measured.step_seconds
+                                 << " s, simulated " << predicted.step_seconds << " s";
           EXPECT_GE(measured.step_seconds, step_bound(engine.schedule(), timing, link) * (1 - 1e-6))
               << what;
         }

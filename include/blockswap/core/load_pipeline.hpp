@@ -43,6 +43,10 @@ struct FileTier {
   std::size_t host_budget_bytes = 0;
   int64_t staging_buffers = 2; // the ring the reader fills ahead of the loads, each a slot's size
   CacheBypass bypass = CacheBypass::direct;
+  // The order in which host memory goes to blocks (every block once), in place of the engine's
+  // own (core/planner.hpp: host_priority, which knows no costs; file_priority, which does).
+  // Empty: the engine's.
+  std::vector<int64_t> priority = {};
 };
 
 class LoadPipeline {

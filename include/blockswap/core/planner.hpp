@@ -84,4 +84,19 @@ std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* con
 std::vector<bool> file_tier(std::span<const std::size_t> block_bytes,
                             std::span<const int64_t> priority, std::size_t& host_budget_left);
 
+// The file tier's placement, chosen with the simulator where the costs are known (`lists`:
+// every list's schedule and costs; their `from_file` is ignored). host_priority spreads the
+// blocks read from the file evenly over the loads, but where the disk is close to the bound the
+// ring of staging buffers makes some places better than others (which depends on the costs: the
+// computes between a read's buffer freeing and its block's compute). From `priorities` (per
+// list, every block once: host_priority's), swaps a moved block held in `host_budgets[l]` with
+// one of the same list read from the file while the simulated step gets shorter, each pair
+// tried once a round, at most `rounds` rounds. Returns the priorities, for FileTier::priority;
+// the simulated step is never longer than with `priorities`.
+std::vector<std::vector<int64_t>> file_priority(std::span<const SimulatedList> lists,
+                                                const LinkModel& link,
+                                                std::span<const std::size_t> host_budgets,
+                                                std::vector<std::vector<int64_t>> priorities,
+                                                int rounds = 4);
+
 } // namespace blockswap

@@ -78,12 +78,17 @@ struct ListSimulation {
 // chunk; time_step() on the timed device plays the same passes.
 inline constexpr int kPassesPerChunk = 6;
 inline constexpr int kMaxPasses = 1200;
+// Training with the file tier, whose reader reads the next step's first loads during the
+// backward: steps are played in sequence until one ends in the state the one before ended in,
+// at most kMaxTrainingSteps, and the last is reported. Without it every step starts from the
+// same state, and one step is played.
+inline constexpr int kMaxTrainingSteps = 64;
 
 struct Simulation {
-  // Training: one step from the steady state (every block the schedule starts with is loaded)
-  // to the end of its last backward, when nothing is in flight. Forward-only: one pass in the
-  // steady state of a sequence, from the end of the previous pass's last computation to the end
-  // of its own.
+  // Training: one step from the steady state (every block the schedule starts with is loaded;
+  // with the file tier, the reads the step before started ahead go on) to the end of its last
+  // backward, when nothing is in flight. Forward-only: one pass in the steady state of a
+  // sequence, from the end of the previous pass's last computation to the end of its own.
   double step_seconds = 0;
   double compute_seconds = 0;   // the compute stream busy, per step
   double stall_seconds = 0;     // the compute stream idle before a block, per step
@@ -94,6 +99,8 @@ struct Simulation {
   // Forward-only: the passes played before the measured chunk of kPassesPerChunk, and whether
   // the state repeated within kMaxPasses (when it did not, a backlog on the link still grew,
   // and step_seconds is the larger of the last chunk's mean and the link's time per pass).
+  // Training: the steps played before the measured one (0 without the file tier), and whether
+  // the state repeated within kMaxTrainingSteps.
   int warmup_passes = 0;
   bool steady = true;
 };
@@ -119,7 +126,12 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 //     after the computes before its move, the loads follow one another, and the block loaded
 //     last computes after its load, then the rest of the half; every list's halves are
 //     disjoint stretches of the compute stream, so these add up over halves and lists.
-//   - the disk: every read of a file-tier block in a step, one after another.
+//   - the disk: every read of a file-tier block in a step, one after another; the staging ring:
+//     a read holds one of a list's Q buffers until its copy ends, so the list's reads and their
+//     copies, over Q; and in each half of a training step, at most Q of the half's reads are
+//     done or under way when it starts, the others follow one another (the first of them after
+//     the half's first copy from the file when Q are), then the half's last load and the
+//     computes from its block on.
 // Offloaded activations add their copies back to the link term and, duplex, make a second
 // term of their copies out (one channel: both to the link term).
 // With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.

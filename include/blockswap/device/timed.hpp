@@ -122,7 +122,8 @@ struct TimedList {
 };
 
 struct TimedStep {
-  // As Simulation::step_seconds: training, one step; forward-only, the mean pass of a sequence.
+  // As Simulation::step_seconds: training, one step (with the file tier, the mean step of a
+  // sequence); forward-only, the mean pass of a sequence.
   double step_seconds = 0;
   double stall_seconds = 0;                // the compute stream idle before the step's computations
   double link_busy_seconds = 0;            // per step
@@ -133,7 +134,9 @@ struct TimedStep {
 // Runs the engines the way the LibTorch front end drives them, with modelled computations:
 // prepare every list; each list's blocks forward in order (enter, compute, leave); in training,
 // then each list's blocks backward in the reverse order (acquire_for_backward with the slot the
-// forward ran in, compute forward × backward_factor). Training: one step from the steady state.
+// forward ran in, compute forward × backward_factor). Training: one step from the steady state;
+// when a list reads from the file (its reader reads the next step's first loads during the
+// backward), `warmup_passes` steps, then kPassesPerChunk measured ones, in sequence.
 // Forward-only: `warmup_passes` passes, then kPassesPerChunk measured ones, in sequence
 // (simulator.hpp; Simulation::warmup_passes is the number the steady state needs). Tags in
 // `computations` are the block index. The engines must run on `device` (directly, or attached
