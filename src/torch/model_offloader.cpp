@@ -180,9 +180,9 @@ public:
         torch_frontend::read_frozen(*file_, binder_.layouts()[block], block, packed, label_);
       };
     }
-    binder_.use_file(any ? torch_frontend::map_file(file_->path, label_)
-                         : torch_frontend::FileMap{},
-                     std::move(in_file), std::move(read), file_->path);
+    binder_.views().use_file(any ? torch_frontend::map_file(file_->path, label_)
+                                 : torch_frontend::FileMap{},
+                             std::move(in_file), std::move(read), file_->path);
   }
 
   // What needs the offloader shared: hooks that find it while it lives.
@@ -225,7 +225,7 @@ public:
 
   void prepare() {
     binder_.check_still_frozen();
-    binder_.check_file_tier_writes();
+    binder_.check_read_only_writes();
     fine_tuner_.pass_starts();
     commit_write_backs(); // a pass that stopped before the last block left some
     engine_->prepare();
