@@ -9,25 +9,21 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
-#include "file_weights.hpp"
 #include "torch_compat.hpp"
 
 namespace blockswap::torch_frontend {
 
 BlockBinder::BlockBinder(std::vector<BlockLayout> layouts, std::string label, c10::Device device,
                          bool strict)
-    : layouts_(std::move(layouts)), label_(std::move(label)), device_(device), strict_(strict) {
+    : layouts_(std::move(layouts)), label_(std::move(label)), views_(label_), device_(device),
+      strict_(strict) {
   for (const BlockLayout& layout : layouts_) bound_.emplace_back(layout.tensors.size());
 }
 
 at::Tensor BlockBinder::host_view(int64_t block, const PackedTensor& t) const {
   // The view shares the buffer: the weights outlive the engine. Trainable tensors are where
   // the block's trainable bytes are now.
-  if (t.role == Role::frozen && in_file(block)) {
-    if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
-    return view(file_map_.bytes, t.file_offset, t, at::kCPU);
-  }
-  if (t.role == Role::frozen) return view(hosts_[block], t.offset, t, at::kCPU);
+  if (t.role == Role::frozen) return views_.frozen(block, t);
   const HostRegion& trainable = trainable_hosts_[block];
   return view(trainable.buffer, trainable.offset + (t.offset - layouts_[block].trainable_offset), t,
               at::kCPU);
@@ -56,24 +52,13 @@ void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data,
 // inference tensor, which autograd refuses to save; the module's tensors must stay normal
 // ones, so every view is made with inference mode off.
 
-void BlockBinder::use_file(FileMap map, std::vector<bool> in_file,
-                           std::function<void(int64_t, std::byte*)> read, std::string path) {
-  file_map_ = std::move(map);
-  in_file_ = std::move(in_file);
-  read_ = std::move(read);
-  file_path_ = std::move(path);
-}
-
-void BlockBinder::check_file() noexcept {
-  if (!file_map_.bytes || file_gone_ || mapping_intact(file_map_)) return;
-  file_gone_ = true;
-  warn(label_, detail::concat("'", file_path_,
-                              "' shrank under the run: the blocks read from it hold no "
-                              "values off the device now (views of it would crash the process); "
-                              "restore the file and build the model and the offloader again"));
+// Once a source of frozen views is lost (the mapped file shrank), the tensors off the device
+// that viewed it are bound to what TierViews gives now: tensors with no elements.
+void BlockBinder::rebind_lost_views() noexcept {
+  if (!views_.check_sources()) return;
   const c10::InferenceMode normal(false); // Note [inference mode]
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    if (!in_file(static_cast<int64_t>(b))) continue;
+    if (views_.viewable(static_cast<int64_t>(b))) continue;
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
       const PackedTensor& t = layouts_[b].tensors[i];
       if (t.role == Role::frozen && !bound_[b][i].on_device) {
@@ -84,27 +69,32 @@ void BlockBinder::check_file() noexcept {
 }
 
 void BlockBinder::on_file_failed() noexcept {
-  check_file();
+  rebind_lost_views();
 }
 
 void BlockBinder::pack(Engine& engine, HostCopies copies) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   shared_ = copies != HostCopies::own;
+  std::vector<std::shared_ptr<Buffer>> hosts;
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    hosts.push_back(engine.host_buffer(static_cast<int64_t>(b)));
+    trainable_hosts_.push_back(HostRegion{hosts.back(), layouts_[b].trainable_offset});
+  }
+  views_.use_host_copies(hosts);
   // First the copies, which may fail: nothing the caller sees changes until they are done.
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    hosts_.push_back(engine.host_buffer(static_cast<int64_t>(b)));
-    trainable_hosts_.push_back(HostRegion{hosts_.back(), layouts_[b].trainable_offset});
-    if (copies == HostCopies::shared_filled || in_file(static_cast<int64_t>(b))) continue;
-    if (read_) read_(static_cast<int64_t>(b), hosts_[b]->data()); // built empty
+    if (copies == HostCopies::shared_filled) continue;
+    const TierViews::Fill fill = views_.fill_host_copy(static_cast<int64_t>(b));
+    if (fill == TierViews::Fill::nothing) continue;
     for (const PackedTensor& t : layouts_[b].tensors) {
-      if (read_ && t.role == Role::frozen) continue;
+      if (fill == TierViews::Fill::all_but_frozen && t.role == Role::frozen) continue;
       if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
         const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
         std::memset(zeros.data_ptr(), 0, zeros.numel() * zeros.element_size());
         continue;
       }
       const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
-      std::memcpy(hosts_[b]->data() + t.offset, source.data_ptr(),
+      std::memcpy(hosts[b]->data() + t.offset, source.data_ptr(),
                   source.numel() * source.element_size());
     }
   }
@@ -151,26 +141,24 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
-  if (in_file(block) && t.role == Role::frozen) { // Note [changes to the file tier]
-    const at::Tensor file = host_view(block, t);
+  // Note [changes to the file tier] in tier_views.cpp
+  if (views_.read_only(block) && t.role == Role::frozen) {
     const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
     Binding& bound = bound_[block][index];
-    // A copy first: a write into the tensor off the device wrote the mapping's own pages.
-    const at::Tensor values = now.detach().to(at::kCPU).contiguous().clone();
-    if (!file_gone_) revert_to_file(static_cast<std::byte*>(file.data_ptr()), file.nbytes());
-    if (!file_gone_ && std::memcmp(values.data_ptr(), file.data_ptr(), file.nbytes()) == 0) {
+    if (views_.matches_source(block, t, now)) {
       bound.data = now.data_ptr(); // the file's values again (a checkpoint resumed): kept
       bound.version = now._version();
       return;
     }
+    const at::Tensor file = host_view(block, t);
     if (!bound.on_device) {
       bind(block, index, file, false);
-    } else if (now.data_ptr() == bound.data && !file_gone_) { // written in place, in its slot
+    } else if (now.data_ptr() == bound.data && views_.viewable(block)) { // in place, in its slot
       at::NoGradGuard no_grad;
       now.detach().copy_(file.to(now.device()));
       bound.version = now._version();
     }
-    lost_.push_back(detail::concat("'", t.name, "' of block ", block));
+    views_.dropped(block, t);
     return;
   }
   const at::Tensor host = host_view(block, t);
@@ -180,22 +168,16 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
   }
 }
 
-// Note [changes to the file tier]
-// A block read from the model's file for each load has no host copy to save a caller's change
-// to: its next load reads the file. A change to the file's own values (a checkpoint resumed,
-// load_state_dict of the same weights) is kept as it is. Any other is dropped: the tensor takes
-// the file's values again (its pages of the mapping reverted, or its slot rewritten), and once
-// every tensor of the block has been seen, one Error names them; the offloader goes on.
-void BlockBinder::raise_lost() {
-  if (lost_.empty()) return;
-  check_file_tier_writes(); // the other blocks in the file too: many written, one error
+// The changes the views dropped, and any other of a read-only block's: one Error.
+void BlockBinder::raise_dropped_changes() {
+  if (!views_.any_dropped()) return;
+  check_read_only_writes(); // the other blocks in the file too: many written, one error
 }
 
-void BlockBinder::check_file_tier_writes() {
-  if (in_file_.empty()) return;
+void BlockBinder::check_read_only_writes() {
   const c10::InferenceMode normal(false); // Note [inference mode]
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
-    if (!in_file(static_cast<int64_t>(b))) continue;
+    if (!views_.read_only(static_cast<int64_t>(b))) continue;
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
       PackedTensor& t = layouts_[b].tensors[i];
       if (t.role == Role::frozen && caller_changed(static_cast<int64_t>(b), i) &&
@@ -204,17 +186,7 @@ void BlockBinder::check_file_tier_writes() {
       }
     }
   }
-  if (lost_.empty()) return;
-  std::string names = lost_.front();
-  for (std::size_t i = 1; i < lost_.size() && i < 3; ++i) names += ", " + lost_[i];
-  if (lost_.size() > 3) names += detail::concat(" and ", lost_.size() - 3, " more");
-  lost_.clear();
-  throw Error(detail::concat(
-      "[", label_, "] frozen tensors ", names,
-      " were changed, but their blocks are read from the model's file for each load (the file "
-      "tier, host_budget_bytes), so the changes cannot be kept: they hold the file's values "
-      "again. Change weights before building the offloader and give the file they are saved "
-      "in, or give the host budget room for these blocks"));
+  views_.raise_dropped();
 }
 
 void BlockBinder::check_still_frozen() const {
@@ -238,7 +210,7 @@ void BlockBinder::save_caller_changes(int64_t block) {
     bound_[block][i].data = t.variable.data_ptr();
     bound_[block][i].version = t.variable._version();
   }
-  raise_lost();
+  raise_dropped_changes();
 }
 
 void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
@@ -256,7 +228,7 @@ void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
     if (changed) on_slot.copy_(host_view(block, t)); // the load may have carried older values
     bind(block, i, on_slot, true);
   }
-  raise_lost();
+  raise_dropped_changes();
 }
 
 void BlockBinder::on_evicted(int64_t block) {
@@ -264,7 +236,7 @@ void BlockBinder::on_evicted(int64_t block) {
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     if (caller_changed(block, i)) save_changes(block, layouts_[block].tensors[i]);
   }
-  raise_lost(); // the block stays, its tensors on its slot
+  raise_dropped_changes(); // the block stays, its tensors on its slot
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     const PackedTensor& t = layouts_[block].tensors[i];
     bind(block, i,
@@ -298,8 +270,8 @@ void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
 
 void BlockBinder::restore_to_host() {
   const c10::InferenceMode normal(false); // Note [inference mode]
-  check_file();
-  for (std::size_t b = 0; b < layouts_.size() && b < hosts_.size(); ++b) {
+  rebind_lost_views();
+  for (std::size_t b = 0; b < layouts_.size() && b < trainable_hosts_.size(); ++b) {
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
       PackedTensor& t = layouts_[b].tensors[i];
       try {
@@ -316,7 +288,7 @@ void BlockBinder::restore_to_host() {
     }
   }
   try {
-    raise_lost();
+    raise_dropped_changes();
   } catch (const std::exception& e) {
     warn("", e.what());
   }

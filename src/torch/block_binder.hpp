@@ -1,6 +1,6 @@
 // Keeps a block's module tensors pointing at the right memory as the engine moves blocks: the
-// block's slot while it is ready, its host copy otherwise; and sees what the caller wrote into
-// them between moves. Implementer-only (src/torch).
+// block's slot while it is ready, its host copy (or the view tier_views.hpp gives) otherwise; and
+// sees what the caller wrote into them between moves. Implementer-only (src/torch).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,13 +14,14 @@
 
 #include "block_layout.hpp"
 #include "blockswap/core/engine.hpp"
-#include "file_weights.hpp"
+#include "tier_views.hpp"
 
 namespace blockswap::torch_frontend {
 
 // Keeps the modules' tensors pointing at the right memory as the engine moves blocks: a view
-// of its slot while a block is ready, a view of its host copy otherwise (or, when `strict`,
-// a tensor with no elements, so that computing with it fails).
+// of its slot while a block is ready, a view of its host copy otherwise (for a frozen tensor the
+// view TierViews gives: the host copy or the model's file), or, when `strict`, a tensor with no
+// elements, so that computing with it fails.
 class BlockBinder final : public ResidencyListener {
 public:
   // `label` prefixes its messages.
@@ -29,16 +30,12 @@ public:
   const std::vector<BlockLayout>& layouts() const { return layouts_; }
   // Before pack(): for setting where each frozen tensor is in the model's file.
   std::vector<BlockLayout>& layouts_to_locate() { return layouts_; }
-  // Before pack(), with the file tier (Options::host_budget_bytes): `in_file[b]` says which blocks
-  // the engine reads from the model's file; their tensors off the device are views of `map`
-  // (the file, mapped: file_weights.hpp) at their file_offset, and a change of theirs raises, as
-  // the next load reads the file. `read`, when set, fills a block's packed host copy from the
-  // file instead of from its tensors, which were built empty (Options::weights_from_file).
-  // `path` is the file's: if the mapped file shrinks under the run (a read fails, or at
-  // restore_to_host), those views could only crash the process (SIGBUS), so they become tensors
-  // with no elements and a warning says so (a file deleted or renamed keeps them).
-  void use_file(FileMap map, std::vector<bool> in_file,
-                std::function<void(int64_t block, std::byte* packed)> read, std::string path);
+  // Before pack(): where each frozen tensor's view off the device comes from (the host copy or
+  // the model's file: tier_views.hpp).
+  TierViews& views() { return views_; }
+  // A read from the model's file failed: if the file shrank (TierViews::check_sources, asked
+  // again at restore_to_host), the frozen tensors of its blocks off the device become tensors
+  // with no elements.
   void on_file_failed() noexcept override;
   // Where the host copies are: the engine's own, which pack() fills; node-shared memory
   // (Options::node_sharing) that this process fills, or that another rank of the node filled
@@ -65,10 +62,11 @@ public:
   // Copies what the caller wrote into block `block`'s tensors since blockswap bound them into
   // their host copy (which a step on the host is about to change).
   void save_caller_changes(int64_t block);
-  // Throws the Error of Note [changes to the file tier] when the caller changed a frozen tensor
-  // of a block in the file, wherever it is (at a pass's start: a block that never moves, K = 0,
-  // is seen by no move); the tensors hold the file's values again.
-  void check_file_tier_writes();
+  // Throws the Error of Note [changes to the file tier] (tier_views.cpp) when the caller changed a
+  // frozen tensor of a TierViews::read_only block (one in the file), wherever it is (at a pass's
+  // start: a block that never moves, K = 0, is seen by no move); the tensors hold the file's
+  // values again.
+  void check_read_only_writes();
   // The host copy of that tensor (where it is now), whatever the tensor is bound to.
   at::Tensor host_copy(int64_t block, std::size_t index) const {
     return host_view(block, layouts_[block].tensors[index]);
@@ -105,25 +103,16 @@ private:
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
 
   std::vector<BlockLayout> layouts_;
-  std::vector<std::vector<Binding>> bound_;    // [block][tensor]
-  std::vector<std::shared_ptr<Buffer>> hosts_; // the engine's host buffers, from pack()
-  // Where each block's trainable bytes are in host memory (Note [atomic write-back]).
-  std::vector<HostRegion> trainable_hosts_;
+  std::vector<std::vector<Binding>> bound_; // [block][tensor]
   std::string label_;
+  TierViews views_;
+  // Where each block's trainable bytes are in host memory (Note [atomic write-back]), from pack().
+  std::vector<HostRegion> trainable_hosts_;
   c10::Device device_;
   bool strict_ = false;
   bool shared_ = false; // node-shared host copies (pack)
-  FileMap file_map_;
-  std::vector<bool> in_file_; // empty: no block
-  std::function<void(int64_t, std::byte*)> read_;
-  std::string file_path_;
-  bool file_gone_ = false;        // the file shrank: its blocks' views were dropped
-  std::vector<std::string> lost_; // changes dropped (Note [changes to the file tier])
-  void raise_lost();
-  void check_file() noexcept;
-  bool in_file(int64_t block) const {
-    return !in_file_.empty() && in_file_[static_cast<std::size_t>(block)];
-  }
+  void raise_dropped_changes();
+  void rebind_lost_views() noexcept;
 };
 
 } // namespace blockswap::torch_frontend

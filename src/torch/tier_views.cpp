@@ -1,0 +1,80 @@
+#include "tier_views.hpp"
+
+#include <ATen/ops/empty.h>
+
+#include <cstring>
+
+#include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
+
+namespace blockswap::torch_frontend {
+
+void TierViews::use_file(FileMap map, std::vector<bool> in_file,
+                         std::function<void(int64_t, std::byte*)> read, std::string path) {
+  file_map_ = std::move(map);
+  in_file_ = std::move(in_file);
+  read_ = std::move(read);
+  file_path_ = std::move(path);
+}
+
+TierViews::Fill TierViews::fill_host_copy(int64_t block) {
+  if (read_only(block)) return Fill::nothing;
+  if (!read_) return Fill::everything;
+  read_(block, hosts_[block]->data()); // built empty
+  return Fill::all_but_frozen;
+}
+
+at::Tensor TierViews::frozen(int64_t block, const PackedTensor& t) const {
+  // The view shares the buffer: the weights outlive the engine.
+  if (read_only(block)) {
+    if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
+    return view(file_map_.bytes, t.file_offset, t, at::kCPU);
+  }
+  return view(hosts_[block], t.offset, t, at::kCPU);
+}
+
+bool TierViews::check_sources() noexcept {
+  if (!file_map_.bytes || file_gone_ || mapping_intact(file_map_)) return false;
+  file_gone_ = true;
+  warn(label_, detail::concat("'", file_path_,
+                              "' shrank under the run: the blocks read from it hold no "
+                              "values off the device now (views of it would crash the process); "
+                              "restore the file and build the model and the offloader again"));
+  return true;
+}
+
+// Note [changes to the file tier]
+// A block read from the model's file for each load has no host copy to save a caller's change
+// to: its next load reads the file. A change to the file's own values (a checkpoint resumed,
+// load_state_dict of the same weights) is kept as it is. Any other is dropped: the tensor takes
+// the file's values again (its pages of the mapping reverted, or its slot rewritten: the
+// binder's part), and once every tensor of the block has been seen, one Error names them; the
+// offloader goes on.
+bool TierViews::matches_source(int64_t block, const PackedTensor& t, const at::Tensor& now) {
+  const at::Tensor file = frozen(block, t);
+  // A copy first: a write into the tensor off the device wrote the mapping's own pages.
+  const at::Tensor values = now.detach().to(at::kCPU).contiguous().clone();
+  if (file_gone_) return false;
+  revert_to_file(static_cast<std::byte*>(file.data_ptr()), file.nbytes());
+  return std::memcmp(values.data_ptr(), file.data_ptr(), file.nbytes()) == 0;
+}
+
+void TierViews::dropped(int64_t block, const PackedTensor& t) {
+  dropped_.push_back(detail::concat("'", t.name, "' of block ", block));
+}
+
+void TierViews::raise_dropped() {
+  if (dropped_.empty()) return;
+  std::string names = dropped_.front();
+  for (std::size_t i = 1; i < dropped_.size() && i < 3; ++i) names += ", " + dropped_[i];
+  if (dropped_.size() > 3) names += detail::concat(" and ", dropped_.size() - 3, " more");
+  dropped_.clear();
+  throw Error(detail::concat(
+      "[", label_, "] frozen tensors ", names,
+      " were changed, but their blocks are read from the model's file for each load (the file "
+      "tier, host_budget_bytes), so the changes cannot be kept: they hold the file's values "
+      "again. Change weights before building the offloader and give the file they are saved "
+      "in, or give the host budget room for these blocks"));
+}
+
+} // namespace blockswap::torch_frontend
