@@ -5,6 +5,7 @@
 #include <functional>
 #include <limits>
 
+#include "blockswap/core/activation_rule.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 
@@ -115,11 +116,10 @@ public:
   // activations start over, as the front end's hooks do at each step.
   void start_next_step() {
     compute_ = copy_ = host_ = d2h_ = step_end();
-    pending_out_ = -1;
-    order_.clear();
-    std::fill(position_.begin(), position_.end(), kNoPosition);
-    std::fill(offloaded_.begin(), offloaded_.end(), false);
-    std::fill(restoring_.begin(), restoring_.end(), false);
+    rule_ = ActivationRule{};
+    std::fill(activation_bytes_.begin(), activation_bytes_.end(), 0);
+    std::fill(out_end_.begin(), out_end_.end(), 0.0);
+    std::fill(act_ready_.begin(), act_ready_.end(), 0.0);
   }
 
   // Where everything stands, relative to the compute stream: equal at the ends of two chunks
@@ -165,39 +165,33 @@ private:
     return half;
   }
 
-  // Note [offloaded activations] (python/blockswap/_activations.py): block g's forward starts;
-  // the activations of the block computed before it go out, after that block's compute.
+  // Block g's forward starts: the groups that go out now (Note [offloaded activations] in
+  // core/activation_rule.hpp) go after what the compute stream has run so far.
   void offload_previous(std::size_t g, std::size_t bytes) {
     grow_activations(g);
-    if (pending_out_ >= 0) {
-      const auto p = static_cast<std::size_t>(pending_out_);
+    for (const ActivationRule::Group out : rule_.open(g)) {
+      const auto p = static_cast<std::size_t>(out);
       double& channel = link_.duplex ? d2h_ : copy_;
       channel = std::max(channel, compute_) + link_.seconds(activation_bytes_[p]);
       (link_.duplex ? busy_d2h_ : busy_link_) += link_.seconds(activation_bytes_[p]);
       out_end_[p] = channel;
-      offloaded_[p] = true;
     }
     activation_bytes_[g] = bytes;
-    pending_out_ = bytes > 0 ? static_cast<int64_t>(g) : -1;
-    position_[g] = order_.size();
-    order_.push_back(g);
+    if (bytes > 0) rule_.saved(g);
   }
 
   // Block g's backward is about to start at `start`: its activations must be back (brought
-  // now if nothing did), and those of the block computed before it start coming back.
+  // now if nothing did), and the group the rule names starts coming back.
   double restore_for_backward(std::size_t g, double start) {
     grow_activations(g);
-    if (offloaded_[g] && !restoring_[g]) restore(g, start);
-    if (offloaded_[g]) start = std::max(start, act_ready_[g]);
-    if (position_[g] != kNoPosition && position_[g] > 0) {
-      const std::size_t previous = order_[position_[g] - 1];
-      if (offloaded_[previous] && !restoring_[previous]) restore(previous, start);
-    }
+    const ActivationRule::Restore r = rule_.backward_starts(g);
+    if (r.own) restore(g, start);
+    if (rule_.out(g)) start = std::max(start, act_ready_[g]);
+    if (r.ahead) restore(static_cast<std::size_t>(*r.ahead), start);
     return start;
   }
 
   void restore(std::size_t g, double after) {
-    restoring_[g] = true;
     copy_ = std::max({copy_, after, out_end_[g]}) + link_.seconds(activation_bytes_[g]);
     busy_link_ += link_.seconds(activation_bytes_[g]);
     act_ready_[g] = copy_;
@@ -208,9 +202,6 @@ private:
     activation_bytes_.resize(g + 1, 0);
     out_end_.resize(g + 1, 0.0);
     act_ready_.resize(g + 1, 0.0);
-    offloaded_.resize(g + 1, false);
-    restoring_.resize(g + 1, false);
-    position_.resize(g + 1, kNoPosition);
   }
 
   void copy(std::size_t bytes, double weight) {
@@ -249,12 +240,10 @@ private:
   std::vector<double> ready_; // when each block's last load ends
   std::size_t offset_ = 0;
   // Training with offloaded activations, per block of every list (offset_ + index).
-  static constexpr std::size_t kNoPosition = static_cast<std::size_t>(-1);
+  ActivationRule rule_;
   double d2h_ = 0, busy_d2h_ = 0;
-  int64_t pending_out_ = -1; // the block whose activations go out next
-  std::vector<std::size_t> activation_bytes_, position_, order_; // order_: forward order
+  std::vector<std::size_t> activation_bytes_;
   std::vector<double> out_end_, act_ready_;
-  std::vector<bool> offloaded_, restoring_;
 };
 
 // The bound's third term (step_bound in simulator.hpp).
@@ -547,18 +536,26 @@ Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const L
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   check_lists(lists, link);
   double compute = 0, copies = 0, slots = 0, reads = 0, ring = 0, out = 0;
-  double last_activation = 0; // the block computed last in the forward keeps its activations
+  // Offloaded activations: the groups the rule sends out in the forward (the last stays).
+  ActivationRule rule;
+  std::vector<double> out_seconds; // per block of every list
   for (const SimulatedList& list : lists) {
     const Schedule& schedule = *list.schedule;
     const BlockTiming& timing = *list.timing;
+    const std::size_t offset = out_seconds.size();
+    out_seconds.resize(offset + static_cast<std::size_t>(schedule.blocks()), 0.0);
     double staged = 0; // Note [the staging ring]
     for (const Op& op : schedule.pass()) {
       if (op.kind != Op::Kind::move) {
         compute += compute_seconds(timing, op);
         const std::size_t a = activation_bytes(timing, op.block);
         if (op.kind == Op::Kind::forward && schedule.mode() != Mode::forward_only) {
-          if (a > 0) out += link.seconds(a);
-          last_activation = a > 0 ? link.seconds(a) : 0;
+          const std::size_t g = offset + static_cast<std::size_t>(op.block);
+          for (const ActivationRule::Group p : rule.open(g)) out += out_seconds[p];
+          if (a > 0) {
+            rule.saved(g);
+            out_seconds[g] = link.seconds(a);
+          }
         }
         continue;
       }
@@ -582,7 +579,6 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
     }
   }
   slots = std::max(slots, halves);
-  out -= last_activation;
   copies += out; // every offloaded activation comes back on the host->device link
   if (!link.duplex) copies += out;
   return std::max({compute, copies, slots, reads, ring, link.duplex ? out : 0.0});

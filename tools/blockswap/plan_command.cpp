@@ -148,7 +148,8 @@ int plan_command(const PlanArgs& args) {
   }
   const double overhead = prediction.step_seconds / prediction.noswap_seconds - 1;
   // Device memory for saved activations: every block's without offloading; with it, the last
-  // block's (never offloaded) and the one coming back under it (Note [offloaded activations]).
+  // block's (never offloaded) and the one coming back under it (Note [offloaded activations] in
+  // core/activation_rule.hpp).
   int64_t all_blocks = 0;
   for (const GroupPlan& g : plan.groups) all_blocks += g.blocks;
   const uint64_t activations_kept = activation_bytes * static_cast<uint64_t>(all_blocks);

@@ -96,7 +96,7 @@ public:
   // Device seconds the copy stream has spent copying.
   double link_busy_seconds() const;
 
-  // Offloaded activations (Note [offloaded activations] in src/torch/activation_offload.cpp):
+  // Offloaded activations (Note [offloaded activations] in core/activation_rule.hpp):
   // `bytes` copied device->host once the compute stream has run what is enqueued, on a
   // device->host channel of their own when the link is duplex (LinkModel::duplex), else on the
   // copy stream. Returns the event at the copy's end.

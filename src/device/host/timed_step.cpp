@@ -6,6 +6,7 @@
 #include <span>
 #include <vector>
 
+#include "blockswap/core/activation_rule.hpp"
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/device/timed.hpp"
@@ -15,10 +16,8 @@ namespace blockswap {
 namespace {
 
 // Offloaded activations (BlockTiming::activation_bytes), every list's blocks numbered in the
-// forward order, as the front end moves them (Note [offloaded activations] in
-// src/torch/activation_offload.cpp; the simulator plays the same rules): a block's activations
-// go out when the next block's forward starts, and at a block's backward its own come back if
-// nothing brought them yet, compute waits for them, and the block before it starts coming back.
+// forward order, moved as ActivationRule says (Note [offloaded activations] in
+// core/activation_rule.hpp), as the front end's store and the simulator move them.
 class Activations {
 public:
   explicit Activations(std::span<const TimedList> lists) {
@@ -34,27 +33,27 @@ public:
   }
 
   void forward_starts(TimedDevice& device, std::size_t g) {
-    if (pending_ >= 0) {
-      const auto p = static_cast<std::size_t>(pending_);
+    for (const ActivationRule::Group p : rule_.open(g)) {
       out_[p] = device.copy_out_after_compute(bytes_[p]);
     }
-    pending_ = bytes_[g] > 0 ? static_cast<int64_t>(g) : -1;
+    if (bytes_[g] > 0) rule_.saved(g);
   }
 
   void backward_starts(TimedDevice& device, std::size_t g) {
-    restore(device, g);
+    const ActivationRule::Restore r = rule_.backward_starts(g);
+    if (r.own) restore(device, g);
     if (in_[g]) device.wait(Stream::compute, *in_[g]);
-    if (g > 0) restore(device, g - 1);
+    if (r.ahead) restore(device, static_cast<std::size_t>(*r.ahead));
   }
 
 private:
   void restore(TimedDevice& device, std::size_t g) {
-    if (out_[g] && !in_[g]) in_[g] = device.copy_in_after(bytes_[g], *out_[g]);
+    in_[g] = device.copy_in_after(bytes_[g], *out_[g]);
   }
 
+  ActivationRule rule_;
   std::vector<std::size_t> bytes_;
   std::vector<std::unique_ptr<Event>> out_, in_;
-  int64_t pending_ = -1; // the block whose activations go out next
 };
 
 // One pass of every list forward: enter, compute, leave, as the front end's run_block does.
