@@ -1,13 +1,12 @@
-// The engine's forward side: construction, the slots, prepare, enter and leave, the schedule's
-// moves, loads and evictions, stats. What training adds (the backward's placement, changed
-// blocks written back, the host step's copies) is engine_training.cpp; the state both share is
-// engine_impl.hpp.
+// The engine's verbs: construction, prepare, enter and leave, modes, accessors, stats. The
+// residency they drive (slots, waits, moves, evictions, loads through the LoadPipeline) is
+// engine_residency.cpp; what training adds (the backward's placement, changed blocks written
+// back, the host step's copies) is engine_training.cpp; the state they share is engine_impl.hpp.
 #include "blockswap/core/engine.hpp"
 
 #include "engine_impl.hpp"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <mutex>
@@ -22,16 +21,6 @@ namespace blockswap {
 namespace {
 
 using Clock = Engine::Impl::Clock;
-
-double seconds_since(Clock::time_point start) {
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
-
-std::string format_seconds(double seconds) {
-  char text[32];
-  std::snprintf(text, sizeof text, "%.2fs", seconds);
-  return text;
-}
 
 void check_backend(const std::shared_ptr<Backend>& backend, const std::string& label) {
   BLOCKSWAP_CHECK(backend != nullptr, "[", label, "] the engine needs a backend");
@@ -174,21 +163,6 @@ std::size_t Engine::block_bytes(int64_t block) const {
   return impl_->store_.bytes(block);
 }
 
-// Note [slot lifetime]
-// Slots are shared: the listener's views of a slot (the front end's tensors, and the views
-// autograd saves of them) own it too. A slot the engine lets go, or outlives, is freed only
-// once nothing views it, so a pending backward never reads freed memory.
-void Engine::Impl::ensure_slots(int64_t count) {
-  while (static_cast<int64_t>(slots_.size()) < count) {
-    SlotState slot;
-    slot.memory = std::make_shared<Buffer>(backend_->allocate_device(slot_bytes_));
-    slot.released = backend_->make_event();
-    slots_.push_back(std::move(slot));
-    stats_.device_bytes += slot_bytes_;
-  }
-  stats_.peak_device_bytes = std::max(stats_.peak_device_bytes, stats_.device_bytes);
-}
-
 // prepare() restores the set of blocks the schedule starts with. Which slot a block sits in
 // does not matter (all slots have the same size), so a block already on the device stays
 // where it is and nothing is copied in the steady state.
@@ -232,68 +206,6 @@ void Engine::prepare() {
     impl_->mark_ready(b);
   }
   if (static_cast<int64_t>(impl_->slots_.size()) > needed) impl_->release_empty_slots();
-}
-
-// Frees the slots added while swapping was disabled. Called with no copy in flight. A slot that
-// autograd still views (a backward is pending) stays until a later prepare: its block's
-// backward will need it (Note [exact backward]).
-void Engine::Impl::release_empty_slots() {
-  std::vector<SlotState> kept;
-  for (SlotState& slot : slots_) {
-    if (slot.block < 0 && slot.memory.use_count() == 1) {
-      stats_.device_bytes -= slot_bytes_;
-      continue;
-    }
-    if (slot.block >= 0) blocks_[slot.block].slot = static_cast<int64_t>(kept.size());
-    kept.push_back(std::move(slot));
-  }
-  slots_ = std::move(kept);
-}
-
-// A ready block's load is complete, but the stream that computes now may not be the one that
-// waited for it (the caller can switch the current stream between passes): the wait is
-// enqueued again, which costs a stream-wait on a completed event.
-void Engine::Impl::wait_locked(int64_t block) {
-  BlockState& state = blocks_[block];
-  if (state.ready) {
-    if (!current().host_waits()) backend_->wait(Stream::compute, *state.loaded);
-    return;
-  }
-  const auto start = Clock::now();
-  finish_load(block); // Note [the file tier]: its read done, or its failure raised
-  const bool device_timed = !current().host_waits() && backend_->times_events();
-  try {
-    if (current().host_waits()) {
-      backend_->synchronize(*state.loaded);
-    } else if (device_timed) {
-      StallTimer timer;
-      if (spare_timers_.empty()) {
-        timer = StallTimer{backend_->make_event(), backend_->make_event()};
-      } else {
-        timer = std::move(spare_timers_.back());
-        spare_timers_.pop_back();
-      }
-      backend_->record(*timer.before, Stream::compute);
-      backend_->wait(Stream::compute, *state.loaded);
-      backend_->record(*timer.after, Stream::compute);
-      stall_timers_.push_back(std::move(timer));
-    } else {
-      backend_->wait(Stream::compute, *state.loaded);
-    }
-  } catch (...) {
-    copy_failed(std::current_exception());
-  }
-  const double stalled = seconds_since(start);
-  if (!device_timed) stats_.stall_seconds += stalled;
-  if (options_.trace && stalled > 0) {
-    options_.trace->add(detail::concat("wait block ", block), Track::compute, start, Clock::now());
-  }
-  mark_ready(block);
-  if (options_.debug && state.replaced >= 0) {
-    log(detail::concat("[", label_, "] Moved blocks ", state.replaced, " and ", block, " in ",
-                       format_seconds(seconds_since(state.submitted))));
-    log(detail::concat("[", label_, "] Waited for block ", block, ": ", format_seconds(stalled)));
-  }
 }
 
 // The recompute pass of checkpointing: a differentiable block that already ran forward in this
@@ -351,170 +263,9 @@ void Engine::leave(int64_t block, Compute compute) {
   for (const Move& m : impl_->current().after_forward(block)) impl_->move(m, true);
 }
 
-int64_t Engine::Impl::slot_index(const Buffer* memory) const {
-  for (std::size_t s = 0; s < slots_.size(); ++s) {
-    if (slots_[s].memory.get() == memory) return static_cast<int64_t>(s);
-  }
-  return -1;
-}
-
-// Block `block` into slot `slot`, whatever either holds now. The load is enqueued, not waited.
-void Engine::Impl::place(int64_t block, int64_t slot) {
-  BlockState& state = blocks_[block];
-  if (state.slot == slot) return;
-  if (state.slot >= 0) evict(block, false);
-  if (slots_[slot].block >= 0) evict(slots_[slot].block, true);
-  load(block, slot);
-}
-
-void Engine::Impl::move(const Move& m, bool settle) {
-  const BlockState& out = blocks_[m.out];
-  BLOCKSWAP_CHECK(out.slot >= 0, "[", label_, "] cannot move block ", m.out,
-                  " off the device: it is not there. Call prepare_block_devices_before_forward() "
-                  "before each pass (",
-                  current().describe(), ")");
-  BLOCKSWAP_CHECK(blocks_[m.in].slot < 0, "[", label_, "] cannot load block ", m.in,
-                  ": it is already on the device. Call prepare_block_devices_before_forward() "
-                  "before each pass (",
-                  current().describe(), ")");
-  if (options_.debug) {
-    log(detail::concat("[", label_, "] Move block ", m.out, " to host and block ", m.in, " to ",
-                       backend_->name()));
-  }
-  const int64_t slot = out.slot;
-  wait_like_the_seed(slot);
-  evict(m.out, true, settle);
-  load(m.in, slot);
-  blocks_[m.in].replaced = m.out;
-  ++stats_.moves;
-}
-
-// The seed replay synchronises the whole device before each move, as the seed does.
-void Engine::Impl::wait_like_the_seed(int64_t slot) {
-  if (!current().host_waits()) return;
-  SlotState& s = slots_[slot];
-  backend_->record(*s.released, Stream::compute);
-  try {
-    backend_->synchronize(*s.released);
-  } catch (...) {
-    copy_failed(std::current_exception());
-  }
-}
-
-// Note [slot reuse]
-// A slot may be overwritten only after every computation that reads it has finished on the
-// device. Eviction happens right after the caller has enqueued the block's last computation, so
-// an event recorded on the compute stream now follows every reader, and the copy stream waits
-// for it before the next copy into the slot. The host does not wait.
-void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
-  BlockState& state = blocks_[block];
-  SlotState& slot = slots_[state.slot];
-  // Written back before (Note [write-back before the forward]) and unchanged since: the host
-  // copy the tensors are bound to next must hold those bytes.
-  if (store_.pending(block) && !state.dirty) commit(block);
-  if (listener_ != nullptr) { // it may read the slot, write the host bytes, throw
-    loads_.hold_around(block, [&] { listener_->on_evicted(block); });
-  }
-  backend_->record(*slot.released, Stream::compute);
-  backend_->wait(Stream::copy, *slot.released);
-  if (state.dirty) {
-    write_back(block);
-  } else if (current().writes_back()) {
-    // The seed replay copies back weights that did not change: the host's bytes stay the same
-    // whatever part of the copy happens.
-    backend_->copy_to_host(store_.buffer(block)->data(), slot.memory->data(), store_.bytes(block),
-                           block);
-    stats_.d2h_bytes += store_.bytes(block);
-  }
-  if (!refilled) backend_->poison(slot.memory->data(), slot_bytes_);
-  slot.block = -1;
-  state.slot = -1;
-  state.ready = false;
-  loads_.forget(block); // loaded and never computed: its read is no longer waited for
-  if (settle && store_.pending(block)) commit(block);
-}
-
-void Engine::Impl::load(int64_t block, int64_t slot) {
-  BlockState& state = blocks_[block];
-  SlotState& s = slots_[slot];
-  if (listener_ != nullptr) listener_->before_load(block); // the host copy must be final
-  BLOCKSWAP_ASSERT(s.block < 0, "slot ", slot, " still holds block ", s.block);
-  const std::size_t bytes = store_.bytes(block);
-  backend_->poison(s.memory->data() + bytes, slot_bytes_ - bytes);
-  // Note [pageable host memory]: a staged block's trainable bytes are read by the host, once
-  // their write-back is done.
-  if (loads_.staged(block) && store_.trainable_bytes(block) > 0 && store_.pending(block)) {
-    try {
-      backend_->synchronize(store_.written(block));
-    } catch (...) {
-      copy_failed(std::current_exception());
-    }
-  }
-  loads_.copy_into(block, s.memory->data()); // may throw: nothing has changed
-  backend_->record(*state.loaded, Stream::copy);
-  stats_.h2d_bytes += bytes;
-  s.block = block;
-  state.slot = slot;
-  state.ready = false;
-  state.replaced = -1;
-  state.submitted = Clock::now();
-}
-
-void Engine::Impl::finish_load(int64_t block) {
-  try {
-    loads_.finish(block);
-  } catch (...) {
-    copy_failed(std::current_exception()); // the block's load, and those after it, are forgotten
-  }
-}
-
-void Engine::Impl::mark_ready(int64_t block) {
-  BlockState& state = blocks_[block];
-  if (listener_ != nullptr) listener_->on_ready(block, slots_[state.slot].memory);
-  state.ready = true;
-}
-
-// A copy failed: whatever was loading may hold garbage. Blocks not yet waited for leave the
-// device; their host copies are untouched, so the next prepare() loads them again.
-void Engine::Impl::forget_unready_loads() {
-  for (int64_t b = 0; b < blocks(); ++b) {
-    BlockState& state = blocks_[b];
-    if (state.slot >= 0 && !state.ready) {
-      slots_[state.slot].block = -1;
-      state.slot = -1;
-      loads_.forget(b);
-    }
-  }
-}
-
-void Engine::Impl::synchronize_locked() {
-  backend_->record(*copies_done_, Stream::copy);
-  try {
-    backend_->synchronize(*copies_done_);
-  } catch (...) {
-    copy_failed(std::current_exception());
-  }
-  commit_write_backs();
-}
-
 void Engine::synchronize() {
   std::lock_guard lock(impl_->mutex_);
   impl_->synchronize_locked();
-}
-
-// Adds the stalls whose events have completed to the stats.
-void Engine::Impl::collect_stalls() const {
-  std::size_t kept = 0;
-  for (StallTimer& timer : stall_timers_) {
-    const std::optional<double> stalled = backend_->elapsed_seconds(*timer.before, *timer.after);
-    if (stalled.has_value()) {
-      stats_.stall_seconds += std::max(0.0, *stalled);
-      spare_timers_.push_back(std::move(timer));
-    } else {
-      stall_timers_[kept++] = std::move(timer);
-    }
-  }
-  stall_timers_.resize(kept);
 }
 
 void Engine::disable() {

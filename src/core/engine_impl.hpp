@@ -1,5 +1,5 @@
-// Engine::Impl: the engine's state and the steps its verbs share, for engine.cpp and
-// engine_training.cpp. Private to src/core.
+// Engine::Impl: the engine's state and the steps its verbs share, for engine.cpp,
+// engine_residency.cpp and engine_training.cpp. Private to src/core.
 #pragma once
 
 #include <chrono>

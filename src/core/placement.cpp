@@ -10,7 +10,6 @@
 
 namespace blockswap {
 
-
 std::vector<int64_t> host_priority(int64_t blocks, std::span<const Schedule* const> schedules) {
   std::vector<int64_t> order;
   std::vector<bool> placed(static_cast<std::size_t>(blocks), false);
