@@ -1,6 +1,8 @@
-// The engine's residency (engine.hpp): the slots, the wait for a load, the schedule's moves, the
-// evictions and loads they make (every load through the LoadPipeline), and what a failed copy
-// leaves. The verbs that drive them are engine.cpp's; the state is engine_impl.hpp's.
+// The engine's residency (engine.hpp): prepare, enter and leave, and what they do: the slots,
+// the wait for a load, the schedule's moves, the evictions and loads they make (every load
+// through the LoadPipeline), what a failed copy leaves. One translation unit, so that the
+// per-block path inlines (engine_bench). Construction, modes, accessors and stats are
+// engine.cpp's; the state is engine_impl.hpp's.
 #include "engine_impl.hpp"
 
 #include <algorithm>
@@ -27,6 +29,106 @@ std::string format_seconds(double seconds) {
 }
 
 } // namespace
+
+// prepare() restores the set of blocks the schedule starts with. Which slot a block sits in
+// does not matter (all slots have the same size), so a block already on the device stays
+// where it is and nothing is copied in the steady state.
+//
+// When it has to place blocks itself (the first pass, after a mode change, disable or
+// enable) it is synchronous, as the seed's is, and leaves every block ready. In the steady
+// state it does not wait: the loads the last pass started for this one (forward-only
+// rotation) stay in flight until wait_for_block orders compute after them, so the host never
+// waits here for the previous pass's compute.
+void Engine::prepare() {
+  std::lock_guard lock(impl_->mutex_);
+  const int64_t n = blocks();
+  const std::vector<int64_t>& initial = impl_->current().initial_slots();
+  const auto needed = impl_->enabled_ ? impl_->current().slots() : n;
+  auto wanted = [&](int64_t b) { return !impl_->enabled_ || initial[b] >= 0; };
+  impl_->ensure_slots(needed);
+  bool placed = false;
+  std::vector<int64_t> loads;
+  for (int64_t b = 0; b < n; ++b) {
+    if (impl_->blocks_[b].slot >= 0 && !wanted(b)) {
+      impl_->evict(b, false);
+      placed = true;
+    }
+    if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
+  }
+  impl_->loads_.start_pass(loads);
+  int64_t free_slot = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    if (!wanted(b) || impl_->blocks_[b].slot >= 0) continue;
+    while (impl_->slots_[free_slot].block >= 0) ++free_slot;
+    impl_->load(b, free_slot);
+    placed = true;
+  }
+  impl_->backward_started_.clear(); // a new pass starts
+  for (Impl::BlockState& state : impl_->blocks_) state.forwarded = false;
+  if (!placed) return;
+  impl_->synchronize_locked();
+  for (int64_t b = 0; b < n; ++b) {
+    if (impl_->blocks_[b].slot < 0 || impl_->blocks_[b].ready) continue;
+    impl_->finish_load(b);
+    impl_->mark_ready(b);
+  }
+  if (static_cast<int64_t>(impl_->slots_.size()) > needed) impl_->release_empty_slots();
+}
+
+// The recompute pass of checkpointing: a differentiable block that already ran forward in this
+// pass (a block that has not is computed normally: not every block need be checkpointed).
+bool Engine::Impl::recompute_pass(int64_t block, Compute compute) const {
+  // Non-reentrant checkpointing recomputes blocks during backward with grad mode on, as its
+  // forward ran: a block computed again once a backward has started is its recompute.
+  return compute.differentiable && blocks_[block].forwarded &&
+         (compute.reentrant_checkpointing || !backward_started_.empty());
+}
+
+bool Engine::recomputing(int64_t block, Compute compute) const {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  return impl_->recompute_pass(block, compute);
+}
+
+Entered Engine::enter(int64_t block, Compute compute) {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  if (impl_->recompute_pass(block, compute)) {
+    if (impl_->blocks_[block].slot < 0) impl_->place(block, impl_->victim_for(block));
+    impl_->wait_locked(block);
+    return Entered{impl_->slots_[impl_->blocks_[block].slot].memory, true};
+  }
+  // In training, a differentiable block computed twice between two prepares is either the
+  // recompute of reentrant checkpointing without that option, or a second pass without
+  // prepare: the moves would follow neither. Both are named.
+  BLOCKSWAP_CHECK(!(impl_->training() && compute.differentiable && impl_->blocks_[block].forwarded),
+                  "[", impl_->label_, "] block ", block,
+                  " runs forward a second time in this pass. If this is the recompute of "
+                  "reentrant activation checkpointing, set reentrant_activation_checkpointing = "
+                  "true; otherwise call prepare_block_devices_before_forward() before each pass");
+  BLOCKSWAP_CHECK(impl_->blocks_[block].slot >= 0, "[", impl_->label_, "] block ", block,
+                  " is not on the device; this ", impl_->current().describe(),
+                  " does not place it there now (call prepare_block_devices_before_forward() "
+                  "before each pass, and wait for blocks in the order they are computed)");
+  impl_->wait_locked(block);
+  return Entered{impl_->slots_[impl_->blocks_[block].slot].memory, false};
+}
+
+void Engine::leave(int64_t block, Compute compute) {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  if (impl_->recompute_pass(block, compute)) return;
+  Impl::BlockState& state = impl_->blocks_[block];
+  // A block submitted before its load was waited for was skipped (musubi-tuner's skip-layer
+  // guidance submits a block it neither waits for nor runs): its slot is done with once its
+  // load is. (A block computed without the wait read its host copy: on a GPU torch refuses
+  // that at once; on the emulated device it reads the true values.)
+  if (state.slot >= 0 && !state.ready) impl_->wait_locked(block);
+  if (state.slot >= 0) state.computed_in = impl_->slots_[state.slot].memory.get();
+  state.forwarded = true;
+  if (!impl_->enabled_) return;
+  for (const Move& m : impl_->current().after_forward(block)) impl_->move(m, true);
+}
 
 // Note [slot lifetime]
 // Slots are shared: the listener's views of a slot (the front end's tensors, and the views

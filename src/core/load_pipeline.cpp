@@ -242,25 +242,11 @@ void LoadPipeline::read_ahead() {
 
 // Note [a decode step]
 // Bytes that are not the slot's as they are (losslessly compressed weights) are decoded on the
-// device between the source and the slot: both paths below end in one copy_to_device of the
-// source's bytes, which for such a block copies them into a device buffer the Device accounts
-// for, followed on the copy stream by the decode into the slot. The source, the ring and the
-// read order stay as they are; the host copy, the node-shared copy and the staging buffers hold
-// the compressed bytes.
-void LoadPipeline::copy_into(int64_t block, std::byte* slot) {
-  const std::size_t bytes = store_.bytes(block);
-  if (staged(block)) {
-    copy_staged(block, slot);
-  } else if (const HostStore::Source source = store_.load_source(block); source.contiguous()) {
-    backend_->copy_to_device(slot, source.frozen, bytes, block);
-  } else {
-    if (source.frozen_bytes > 0) {
-      backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
-    }
-    backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
-                             block);
-  }
-}
+// device between the source and the slot: both paths (copy_into in load_pipeline.hpp for pinned
+// memory, copy_staged below) end in one copy_to_device of the source's bytes, which for such a
+// block copies them into a device buffer the Device accounts for, followed on the copy stream by
+// the decode into the slot. The source, the ring and the read order stay as they are; the host
+// copy, the node-shared copy and the staging buffers hold the compressed bytes.
 
 // Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
 // stream, and the host goes on; it waits for the read only when the block is about to be
@@ -299,8 +285,7 @@ void LoadPipeline::copy_staged(int64_t block, std::byte* slot) {
   (in_file ? counters_.disk_bytes : counters_.staged_bytes) += bytes;
 }
 
-void LoadPipeline::finish(int64_t block) {
-  if (!reads_[block].read) return;
+void LoadPipeline::finish_read(int64_t block) {
   const StagingReader::Staged read = std::exchange(reads_[block], {});
   try {
     reader_->wait(read);

@@ -5,7 +5,8 @@
 // through the staging ring (core/staging_ring.hpp), which a reader fills ahead of the loads in
 // the order they will come (the schedule's pass), and the copy out of a staging buffer waits on
 // the copy stream for its read. A step that changes the bytes on their way (a decoder of
-// compressed weights) goes between the source and the copy, here.
+// compressed weights) goes between the source and the copy (Note [a decode step] in
+// load_pipeline.cpp).
 //
 // The engine keeps residency and calls the pipeline at four points: start_pass() with the loads
 // a pass starts with, copy_into() a slot, finish() a load before its block computes, and
@@ -79,10 +80,27 @@ public:
   // trainable bytes are read where the store says they are freshest; a pending write-back of a
   // staged block must have been waited for (the host reads them). Throws the read's error for
   // a block from pageable memory; on a throw nothing was enqueued.
-  void copy_into(int64_t block, std::byte* slot);
+  void copy_into(int64_t block, std::byte* slot) { // inline: every load (engine_bench)
+    if (staged(block)) {
+      copy_staged(block, slot);
+      return;
+    }
+    const HostStore::Source source = store_.load_source(block);
+    if (source.contiguous()) {
+      backend_->copy_to_device(slot, source.frozen, store_.bytes(block), block);
+      return;
+    }
+    if (source.frozen_bytes > 0) {
+      backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
+    }
+    backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
+                             block);
+  }
   // Block i is about to be computed: blocks the host until its read from the file (if any)
   // is done, and throws that read's error (after file_failed).
-  void finish(int64_t block);
+  void finish(int64_t block) {
+    if (reads_[block].read) finish_read(block);
+  }
   // Block i left the device before it was computed: its read is no longer waited for.
   void forget(int64_t block);
   // Runs `eviction` (which may write block `evicted`'s host bytes) with no copy ahead reading
@@ -102,6 +120,7 @@ private:
   // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
   StagingReader::Staged take(int64_t block, bool wait);
   void copy_staged(int64_t block, std::byte* slot);
+  void finish_read(int64_t block);
 
   std::shared_ptr<Backend> backend_;
   HostStore& store_;
