@@ -95,7 +95,8 @@ FileSource::FileSource(std::string path, std::vector<FileBlock> blocks, std::str
                         r.file_offset + r.bytes, " of '", path_, "', which has ", size_);
         BLOCKSWAP_CHECK(r.to <= blocks_[b].bytes && r.bytes <= blocks_[b].bytes - r.to, "[", label_,
                         "] block ", b, ": a range of ", r.bytes, " bytes at ", r.to,
-                        " does not fit its ", blocks_[b].bytes, " packed bytes");
+                        " does not fit its ", blocks_[b].bytes, " packed bytes (reading '", path_,
+                        "')");
       }
     }
     void* bounce = std::aligned_alloc(kAlign, kParts * kPart);
@@ -260,9 +261,11 @@ FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlo
                                            const std::string& label, CacheBypass bypass) {
   Sources sources;
   bool reads_file = false, reads_memory = false;
-  for (const FileBlock& b : blocks) {
-    BLOCKSWAP_CHECK_ARGUMENT(b.memory == nullptr || b.ranges.empty(), "[", label,
-                             "] a staged block comes from memory or from the file, not both");
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const FileBlock& b = blocks[i];
+    BLOCKSWAP_CHECK_ARGUMENT(b.memory == nullptr || b.ranges.empty(), "[", label, "] block ", i,
+                             " is given both host memory and ranges of the file: a staged block "
+                             "comes from memory or from the file, not both");
     sources.bytes.push_back(b.bytes);
     reads_file = reads_file || !b.ranges.empty();
     reads_memory = reads_memory || b.memory != nullptr;

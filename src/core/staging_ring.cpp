@@ -3,6 +3,7 @@
 #include "blockswap/core/staging_ring.hpp"
 
 #include <algorithm>
+#include <new>
 #include <utility>
 
 #include "blockswap/core/error.hpp"
@@ -187,10 +188,17 @@ void StagingRing::run() {
       failure = {Failure::Kind::out_of_memory, e.what()};
     } catch (const InvalidArgument& e) {
       failure = {Failure::Kind::invalid_argument, e.what()};
-    } catch (const std::exception& e) {
+    } catch (const Error& e) { // blockswap's own name the block
       failure = {Failure::Kind::error, e.what()};
+    } catch (const std::bad_alloc&) {
+      failure = {Failure::Kind::out_of_memory,
+                 detail::concat("[", label_, "] reading block ", block, ": out of host memory")};
+    } catch (const std::exception& e) { // a source's own: named here
+      failure = {Failure::Kind::error,
+                 detail::concat("[", label_, "] reading block ", block, ": ", e.what())};
     } catch (...) {
-      failure = {Failure::Kind::error, "[" + label_ + "] a read failed with an unknown error"};
+      failure = {Failure::Kind::error, detail::concat("[", label_, "] reading block ", block,
+                                                      " failed with an unknown error")};
     }
     lock.lock();
     read->done = true;

@@ -119,7 +119,7 @@ TEST(FileReader, RangesOutsideTheFileOrTheBlockAreRefusedAtOnce) {
         FileReader(file.path.string(), {FileBlock{{FileRange{0, 100, 50}}, 120}}, ring(1, 200),
                    "blocks");
       },
-      {"block 0: a range of 100 bytes at 50 does not fit its 120 packed bytes"});
+      {"block 0: a range of 100 bytes at 50 does not fit its 120 packed bytes", "model.bin"});
   expect_error(
       [&] {
         FileReader(file.path.string(), {FileBlock{{FileRange{0, 100, 0}}, 100}}, ring(1, 50),
@@ -156,7 +156,8 @@ TEST(FileReader, BlocksFromMemoryAreCopiedWhole) {
       [&] {
         FileReader("", {FileBlock{{FileRange{0, 1, 0}}, 1, memory.data()}}, ring(1, 1), "blocks");
       },
-      {"from memory or from the file, not both"});
+      {"[blocks] block 0 is given both host memory and ranges of the file",
+       "from memory or from the file, not both"});
 }
 
 // The file source alone, as the ring's thread calls it: each block's ranges where they go, and

@@ -7,6 +7,8 @@
 
 #include <atomic>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -163,6 +165,26 @@ TEST(StagingRing, ReadsThroughItsSourceInOrderAndRaisesAFailedReadWhereItIsWaite
   EXPECT_EQ(source->named_next[1], 2);
   EXPECT_EQ(source->named_next[2], 4);
   EXPECT_GE(source->stopped.load(), 1); // told when the ring stops
+}
+
+// A source's own exceptions (not blockswap's) are raised as blockswap's, naming the ring and the
+// block; an allocation that fails is OutOfMemory.
+class ThrowingSource final : public BlockSource {
+public:
+  void read(int64_t block, std::byte*, const std::function<int64_t()>&) override {
+    if (block == 0) throw std::runtime_error("socket closed");
+    if (block == 1) throw std::bad_alloc();
+    throw 42;
+  }
+};
+
+TEST(StagingRing, ASourcesOwnFailureNamesTheRingAndTheBlock) {
+  auto source = std::make_shared<ThrowingSource>();
+  StagingRing ring_({8, 8, 8}, {source, source, source}, ring(1, 8), "remote");
+  for (int64_t b : {0, 1, 2}) ring_.request(b);
+  expect_error([&] { ring_.next(); }, {"[remote] reading block 0: socket closed"});
+  EXPECT_THROW(ring_.next(), OutOfMemory);
+  expect_error([&] { ring_.next(); }, {"[remote] reading block 2 failed with an unknown error"});
 }
 
 TEST(StagingRing, BuffersSmallerThanTheLargestBlockAreRefused) {

@@ -55,9 +55,10 @@ public:
   // Over `store`'s blocks (which must outlive it), each copied into a slot of `slot_bytes`.
   // `priority`: the blocks in the order scarce pinned memory goes to them (core/planner.hpp,
   // host_priority): where the system will not pin a staging buffer, the last of them give
-  // theirs. `file_failed`: called when a read from the file fails, before its error is
-  // thrown; must not throw. Throws InvalidArgument for a file tier that does not match the
-  // store's blocks.
+  // theirs (HostStore::reallocate), so the store's buffers are filled only once the pipeline
+  // exists: bytes written before may be gone (the engine's caller fills them after). `file_failed`:
+  // called when a read from the file fails, before its error is thrown; must not throw. Throws
+  // InvalidArgument for a file tier that does not match the store's blocks.
   LoadPipeline(std::shared_ptr<Backend> backend, HostStore& store,
                const std::optional<FileTier>& file, const std::vector<int64_t>& priority,
                std::size_t slot_bytes, std::string label, std::function<void()> file_failed);
