@@ -4,7 +4,7 @@
 #include <unordered_set>
 #include <utility>
 
-#include "activation_offload.hpp"
+#include "activation_store.hpp"
 #include "block_autograd.hpp"
 #include "block_binder.hpp"
 #include "blockswap/core/error.hpp"

@@ -12,7 +12,7 @@
 
 #include <optional>
 
-#include "activation_offload.hpp"
+#include "activation_store.hpp"
 #include "blockswap/core/error.hpp"
 #include "test_model.hpp"
 
