@@ -20,6 +20,9 @@
 namespace py = pybind11;
 
 namespace blockswap {
+
+void bind_activations(py::module_& m); // activations.cpp
+
 namespace {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -151,6 +154,7 @@ PYBIND11_MODULE(_C, m) {
                                               {"proportional_bytes", use.proportional_bytes}};
   });
   m.def("cuda_available", &cuda_available);
+  bind_activations(m);
   m.def("max_blocks_to_swap", [](int64_t n, bool training) {
     return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
   });

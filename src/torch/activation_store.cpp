@@ -404,6 +404,15 @@ std::shared_ptr<SavedActivation> ActivationGroup::pack(const at::Tensor& tensor)
   return std::make_shared<SavedActivation>(store.storage_of(group_, tensor, data), tensor);
 }
 
+std::shared_ptr<SavedActivation> ActivationGroup::keep(const at::Tensor& tensor) {
+  const void* data = storage_data(tensor);
+  if (data == nullptr || tensor.device() != store_->device()) {
+    return std::make_shared<SavedActivation>(store_, tensor, nullptr);
+  }
+  store_->keep(data, tensor.storage().nbytes());
+  return std::make_shared<SavedActivation>(store_, tensor, data);
+}
+
 ActivationStats store_stats(c10::Device device) {
   return store_for(device)->stats();
 }

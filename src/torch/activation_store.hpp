@@ -75,6 +75,9 @@ public:
   // autograd's pack hook: storages of at least the threshold are recorded to move; the others,
   // tensors on another device, not plain strided ones and views of the weights stay.
   std::shared_ptr<SavedActivation> pack(const at::Tensor& tensor);
+  // A pack hook that keeps `tensor` as it is (Python: a subclass, which comes back as the same
+  // object): counted while its storage is on the device.
+  std::shared_ptr<SavedActivation> keep(const at::Tensor& tensor);
 
 private:
   ActivationGroup() = default;
