@@ -88,11 +88,13 @@ class BlockActivations:
     """A context that offloads what autograd saves inside it as block `label`'s group. It does
     nothing under no_grad, inside backward (a recompute reads its tensors at once), and where
     other saved-tensor hooks are in charge already (a non-reentrant checkpoint around the
-    block's call, ``save_on_cpu``)."""
+    block's call, ``save_on_cpu``). ``counted_by``, a blockswap Device or None, counts what
+    it moves (``Device.transfers()``)."""
 
-    def __init__(self, store, label, block, threshold_bytes):
+    def __init__(self, store, label, block, threshold_bytes, counted_by=None):
         self._store, self._label, self._block = store, label, block
         self._threshold = threshold_bytes
+        self.counted_by = counted_by
         self._stack = []
 
     def __enter__(self):
@@ -103,7 +105,7 @@ class BlockActivations:
         _use_allocate_host()
         block = self._block
         group = _C.ActivationGroup(self._store.device, self._label, lambda: block_storages(block),
-                                   self._threshold)
+                                   self._threshold, self.counted_by)
         hooks = _torch.autograd.graph.saved_tensors_hooks(_pack_into(group), _unpack)
         hooks.__enter__()
         self._stack.append(hooks)

@@ -14,6 +14,7 @@
 #include <utility>
 
 #include "../../src/torch/activation_store.hpp"
+#include "blockswap/device/device.hpp"
 
 namespace py = pybind11;
 
@@ -30,7 +31,7 @@ void bind_activations(py::module_& m) {
   using PythonWeights = std::function<std::unordered_set<std::uintptr_t>()>;
   py::class_<ActivationGroup, std::shared_ptr<ActivationGroup>>(m, "ActivationGroup")
       .def(py::init([](c10::Device device, std::string label, PythonWeights weights,
-                       std::size_t threshold_bytes) {
+                       std::size_t threshold_bytes, std::shared_ptr<Device> counted_by) {
              ActivationGroup::Weights storages = [weights = std::move(weights)] {
                std::unordered_set<const void*> pointers;
                for (const std::uintptr_t p : weights()) {
@@ -39,9 +40,10 @@ void bind_activations(py::module_& m) {
                return pointers;
              };
              return ActivationGroup::open(device, std::move(label), std::move(storages),
-                                          threshold_bytes);
+                                          threshold_bytes, counted_by);
            }),
-           py::arg("device"), py::arg("label"), py::arg("weights"), py::arg("threshold_bytes"))
+           py::arg("device"), py::arg("label"), py::arg("weights"), py::arg("threshold_bytes"),
+           py::arg("counted_by") = py::none())
       .def("pack", &ActivationGroup::pack)
       .def("keep", &ActivationGroup::keep);
 

@@ -132,6 +132,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("budget_bytes", &Device::budget_bytes)
       .def("available_bytes", &Device::available_bytes)
       .def("memory", [](const Device& d) { return to_dict(d.memory()); })
+      .def("transfers",
+           [](const Device& d) {
+             const TransferStats t = d.transfers();
+             py::dict out;
+             out["host_bytes"] = t.host_bytes;
+             out["peak_host_bytes"] = t.peak_host_bytes;
+             out["bytes_d2h"] = t.bytes_d2h;
+             out["bytes_h2d"] = t.bytes_h2d;
+             return out;
+           })
       .def("__repr__", [](const Device& d) { return "<blockswap.Device " + d.name() + ">"; });
 
   m.def(
@@ -248,6 +258,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
+      .def("device", [](Offloader& o) { return o.get().device(); })
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
       .def("set_learning_rate", [](Offloader& o, double lr) { o.get().set_learning_rate(lr); })

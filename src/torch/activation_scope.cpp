@@ -49,7 +49,7 @@ void install_saved_tensor_hooks() {
 
 ActivationScope::ActivationScope(c10::Device device, std::string label,
                                  const std::vector<at::Tensor>& weights,
-                                 std::size_t threshold_bytes) {
+                                 std::size_t threshold_bytes, std::shared_ptr<Device> counted_by) {
   if (!at::GradMode::is_enabled() || torch_frontend::compat::in_backward()) return;
   torch_frontend::install_saved_tensor_hooks();
   // Their storages where they are while the block computes, taken at the first pack: a scope
@@ -65,8 +65,8 @@ ActivationScope::ActivationScope(c10::Device device, std::string label,
     return storages;
   };
   auto state = std::make_shared<State>();
-  state->group = torch_frontend::ActivationGroup::open(device, std::move(label),
-                                                       std::move(weight_storages), threshold_bytes);
+  state->group = torch_frontend::ActivationGroup::open(
+      device, std::move(label), std::move(weight_storages), threshold_bytes, counted_by);
   state_ = std::move(state);
   previous_ = std::exchange(torch_frontend::current_scope, state_);
 }

@@ -207,6 +207,7 @@ public:
 
   Engine& engine() { return *engine_; }
   c10::Device compute_device() const { return torch_device_; }
+  const std::shared_ptr<Device>& device() const { return device_; }
   bool offloads_activations() const { return options_.offload_activations; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
 
@@ -239,7 +240,7 @@ public:
     std::optional<ActivationScope> activations;
     if (options_.offload_activations) { // after the wait: the block's weights are where it runs
       activations.emplace(torch_device_, detail::concat(label_, ".", block), block_tensors(block),
-                          options_.activation_threshold_bytes);
+                          options_.activation_threshold_bytes, device_);
     }
     const auto start = Trace::Clock::now();
     const auto outputs = fn(inputs);
@@ -559,6 +560,10 @@ Stats ModelOffloader::stats() const {
 
 ActivationStats ModelOffloader::activation_stats() const {
   return blockswap::activation_stats(impl_->compute_device());
+}
+
+std::shared_ptr<Device> ModelOffloader::device() const {
+  return impl_->device();
 }
 
 void ModelOffloader::reset_stats() {

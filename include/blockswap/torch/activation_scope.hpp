@@ -14,6 +14,8 @@
 
 namespace blockswap {
 
+class Device; // blockswap/device/device.hpp
+
 // The bytes of a torch device held by saved activations (Options::offload_activations,
 // ActivationScope), shared by every offloader and scope of that device.
 struct ActivationStats {
@@ -35,8 +37,9 @@ void reset_activation_stats(c10::Device device);
 // Options::offload_activations; open one yourself around code outside run_block that saves for
 // a block's backward, or, with the default threshold, to count a model's saved activations
 // without moving them. Does nothing under no grad and inside a backward (a recompute reads what
-// it saves at once). Throws blockswap::Error when copying the earlier scopes' activations to
-// host memory fails (they stay on the device).
+// it saves at once). `counted_by` (ModelOffloader's: its Device) counts what the scope's group
+// moves in its TransferStats. Throws blockswap::Error when copying the earlier scopes'
+// activations to host memory fails (they stay on the device).
 //
 // Process-wide: LibTorch has no saved-tensor hook stack a C++ program can push, so the first
 // scope (or the first ModelOffloader with offload_activations) replaces this process's default
@@ -49,7 +52,8 @@ void reset_activation_stats(c10::Device device);
 class ActivationScope {
 public:
   ActivationScope(c10::Device device, std::string label, const std::vector<at::Tensor>& weights,
-                  std::size_t threshold_bytes = SIZE_MAX);
+                  std::size_t threshold_bytes = SIZE_MAX,
+                  std::shared_ptr<Device> counted_by = nullptr);
   ~ActivationScope();
   // not copyable, not movable: it stands for a stretch of this thread's code
   ActivationScope(const ActivationScope&) = delete;
