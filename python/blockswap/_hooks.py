@@ -161,8 +161,9 @@ class StateDictHook(_Hook):
 class ActivationHook(_Hook):
     """With offload_activations=True, a forward pre-hook (``enter``) and a forward hook (run
     even when the forward raises) around block i: what autograd saves in between is block i's
-    group of offloaded activations (Note [offloaded activations] in _activations.py). Unlike
-    the other hooks it acts without an engine too (K = 0: activations alone)."""
+    group of offloaded activations (Note [offloaded activations] in
+    include/blockswap/core/activation_rule.hpp). Unlike the other hooks it acts without an
+    engine too (K = 0: activations alone)."""
     __slots__ = ("_enter",)
 
     def __init__(self, offloader, block, index, enter):

@@ -250,7 +250,7 @@ class ModelOffloader:
             raise InvalidArgumentError(f"[{block_type}] offload_activations must be True or "
                                        f"False, got {offload_activations!r}")
         if offload_activations and self.blocks:
-            self._offload_activations(_device_name(device), threshold)
+            self._offload_activations(_device_name(device), threshold, shared_device)
         self._take_over(self.blocks)
         if not self.blocks or (options.blocks_to_swap == 0 and optimizer is None
                                and weights_file is None):
@@ -282,6 +282,8 @@ class ModelOffloader:
             optimizer._attach(self, {id(p): (i, name) for i, block in enumerate(self.blocks)
                                      for name, p in block.named_parameters() if p.requires_grad})
         self.blocks_to_swap = self._impl.blocks_to_swap()
+        for context in self._activations or ():  # its Device counts the activations' copies
+            context.counted_by = self._impl.device()
         _peft.manage(self, self.blocks)
         _module_casts.manage(self, self.blocks)
         self._packed = [self._split(block) for block in self.blocks]  # Note [the model as it runs]
@@ -316,12 +318,13 @@ class ModelOffloader:
         k = min(max(1, k - ring), len(self.blocks) - 1)
         return k, min(ring, len(self.blocks) - k) if k > 0 else 0
 
-    def _offload_activations(self, device, threshold):
-        """Hooks around each block's forward that offload what it saves (with K = 0 too)."""
+    def _offload_activations(self, device, threshold, counted_by):
+        """Hooks around each block's forward that offload what it saves (with K = 0 too);
+        `counted_by`, a Device (shared_device; the engine's, once built), counts their copies."""
         store = _activations.store_for(device)
         self._activation_store = store
         self._activations = [_activations.BlockActivations(store, f"{self.block_type}.{i}",
-                                                           block, threshold)
+                                                           block, threshold, counted_by)
                              for i, block in enumerate(self.blocks)]
         for i, block in enumerate(self.blocks):
             if not isinstance(block, _torch.nn.Module):

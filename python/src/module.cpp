@@ -20,6 +20,9 @@
 namespace py = pybind11;
 
 namespace blockswap {
+
+void bind_activations(py::module_& m); // activations.cpp
+
 namespace {
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -129,6 +132,16 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("budget_bytes", &Device::budget_bytes)
       .def("available_bytes", &Device::available_bytes)
       .def("memory", [](const Device& d) { return to_dict(d.memory()); })
+      .def("transfers",
+           [](const Device& d) {
+             const TransferStats t = d.transfers();
+             py::dict out;
+             out["host_bytes"] = t.host_bytes;
+             out["peak_host_bytes"] = t.peak_host_bytes;
+             out["bytes_d2h"] = t.bytes_d2h;
+             out["bytes_h2d"] = t.bytes_h2d;
+             return out;
+           })
       .def("__repr__", [](const Device& d) { return "<blockswap.Device " + d.name() + ">"; });
 
   m.def(
@@ -151,6 +164,7 @@ PYBIND11_MODULE(_C, m) {
                                               {"proportional_bytes", use.proportional_bytes}};
   });
   m.def("cuda_available", &cuda_available);
+  bind_activations(m);
   m.def("max_blocks_to_swap", [](int64_t n, bool training) {
     return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
   });
@@ -244,6 +258,7 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
+      .def("device", [](Offloader& o) { return o.get().device(); })
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
       .def("set_learning_rate", [](Offloader& o, double lr) { o.get().set_learning_rate(lr); })

@@ -263,6 +263,29 @@ def test_a_failed_copy_to_host_is_a_clear_error_and_loses_nothing(monkeypatch):
     assert_bitwise(train_big(reference), train_big(blocks, offloader=o))
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_the_offloaders_device_counts_the_copies(k):
+    """The store copies on torch's streams; the offloader's Device (shared_device here, so that
+    K = 0, without an engine, has one too) counts the host memory they hold and each copy."""
+    blocks = make_blocks(4)
+    device = blockswap.open_device("cpu")
+    o = offloader(blocks, k, shared_device=device)
+    o.reset_stats()
+    x = torch.randn(2, TOKENS, DIM, requires_grad=True)
+    loss = run_blocks(blocks, x, o).pow(2).mean()
+    out = o.stats()["activation_offloaded_bytes"]
+    assert out > 0
+    assert device.transfers()["bytes_d2h"] == out
+    assert device.transfers()["host_bytes"] == out  # held while the graph lives
+    loss.backward()
+    del loss
+    t = device.transfers()
+    assert t["bytes_h2d"] == o.stats()["activation_restored_bytes"]
+    assert t["peak_host_bytes"] == out
+    assert t["host_bytes"] == 0  # the graph was freed
+    o.close()
+
+
 def test_options_are_checked():
     blocks = make_blocks(2)
     with pytest.raises(blockswap.InvalidArgumentError, match="offload_activations"):

@@ -28,6 +28,7 @@ struct Device::State {
   std::size_t held_bytes = 0; // every attached engine's device memory
   std::size_t peak_held_bytes = 0;
   std::map<std::string, std::size_t> held_by; // by label, for messages
+  TransferStats transfers;                    // not block weights: offloaded activations
   int64_t next_id = 0;
   std::map<int64_t, CopyObserver> observers; // by attached id
   bool observing = false;
@@ -282,6 +283,30 @@ MemoryStats Device::memory() const {
   stats.device_bytes = state_->held_bytes;
   stats.peak_device_bytes = state_->peak_held_bytes;
   return stats;
+}
+
+void Device::count_d2h(std::size_t bytes) {
+  std::lock_guard lock(state_->mutex);
+  TransferStats& t = state_->transfers;
+  t.bytes_d2h += bytes;
+  t.host_bytes += bytes;
+  t.peak_host_bytes = std::max(t.peak_host_bytes, t.host_bytes);
+}
+
+void Device::count_h2d(std::size_t bytes) {
+  std::lock_guard lock(state_->mutex);
+  state_->transfers.bytes_h2d += bytes;
+}
+
+void Device::count_host_freed(std::size_t bytes) {
+  std::lock_guard lock(state_->mutex);
+  TransferStats& t = state_->transfers;
+  t.host_bytes -= std::min(bytes, t.host_bytes); // called from destructors: never throws
+}
+
+TransferStats Device::transfers() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->transfers;
 }
 
 std::shared_ptr<Backend> Device::attach(std::string label) {

@@ -4,7 +4,7 @@
 
 #include <utility>
 
-#include "activation_offload.hpp"
+#include "activation_store.hpp"
 #include "block_autograd.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
@@ -65,7 +65,7 @@ ModelOffloader::Impl::run_block(const std::shared_ptr<Impl>& self, int64_t block
   std::optional<ActivationScope> activations;
   if (options_.offload_activations) { // after the wait: the block's weights are where it runs
     activations.emplace(torch_device_, detail::concat(label_, ".", block), block_tensors(block),
-                        options_.activation_threshold_bytes);
+                        options_.activation_threshold_bytes, device_);
   }
   const auto start = Trace::Clock::now();
   const auto outputs = fn(inputs);
@@ -258,6 +258,10 @@ Stats ModelOffloader::stats() const {
 
 ActivationStats ModelOffloader::activation_stats() const {
   return blockswap::activation_stats(impl_->compute_device());
+}
+
+std::shared_ptr<Device> ModelOffloader::device() const {
+  return impl_->device();
 }
 
 void ModelOffloader::reset_stats() {

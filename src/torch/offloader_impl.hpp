@@ -37,6 +37,7 @@ public:
   const torch_frontend::FineTuner& fine_tuner() const { return fine_tuner_; }
   Engine& engine() { return *engine_; }
   c10::Device compute_device() const { return torch_device_; }
+  const std::shared_ptr<Device>& device() const { return device_; }
   bool offloads_activations() const { return options_.offload_activations; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
   const std::string& label() const { return label_; }

@@ -43,6 +43,22 @@ void forget_grad_accumulator(const at::Tensor& leaf) {
   if (auto* meta = torch::autograd::impl::get_autograd_meta(leaf)) meta->grad_accumulator_.reset();
 }
 
+c10::Device with_index(c10::Device device) {
+  if (device.has_index() || device.is_cpu()) return device;
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  return guard.getDevice();
+}
+
+c10::Stream current_stream(c10::Device device) {
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  return guard.getStream(device);
+}
+
+c10::Stream pool_stream(c10::Device device) {
+  const c10::impl::VirtualGuardImpl guard(device.type());
+  return guard.getStreamFromGlobalPool(device);
+}
+
 bool torch_cuda_streams() {
   return BLOCKSWAP_TORCH_CUDA != 0;
 }

@@ -1,9 +1,12 @@
 // Every difference between the torch versions blockswap supports (2.7 to 2.14), and the torch
 // internals it reaches into, in one place: nothing else in blockswap branches on a version.
-// Implementer-only (src/torch).
+// The autograd engine's internals are in torch_compat_autograd.hpp beside it. Implementer-only
+// (src/torch).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 #include <torch/version.h>
 
 #include <memory>
@@ -37,6 +40,13 @@ NodePtr current_grad_accumulator(const at::Tensor& leaf);
 // Drops the leaf's link to its gradient accumulator, as set_data does when a tensor changes
 // device (Note [device change] in block_binder): the next forward makes a new one.
 void forget_grad_accumulator(const at::Tensor& leaf);
+
+// `device` with its index: torch's current device of that type where it has none.
+c10::Device with_index(c10::Device device);
+// torch's current stream on `device`.
+c10::Stream current_stream(c10::Device device);
+// A stream of torch's pool on `device`, for copies beside the compute stream.
+c10::Stream pool_stream(c10::Device device);
 
 // Whether this torch was built with CUDA and blockswap with its CUDA-stream integration.
 bool torch_cuda_streams();

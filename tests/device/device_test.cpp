@@ -167,5 +167,25 @@ TEST(Device, TwoEnginesShareOneDevice) {
   EXPECT_NE(e.find("does not fit the device budget"), std::string::npos) << e;
 }
 
+// Offloaded activations copy on torch's streams, outside the attached engines: the Device counts
+// their bytes (TransferStats), apart from the slots' account and budget.
+TEST(Device, CountsTransfersThatAreNotBlockWeights) {
+  Device device(std::make_shared<EmulatedDevice>(), 1000);
+  EXPECT_EQ(device.transfers().host_bytes, 0u);
+  device.count_d2h(300);
+  device.count_d2h(200);
+  device.count_h2d(300);
+  device.count_host_freed(300);
+  const TransferStats t = device.transfers();
+  EXPECT_EQ(t.bytes_d2h, 500u);
+  EXPECT_EQ(t.bytes_h2d, 300u);
+  EXPECT_EQ(t.host_bytes, 200u);
+  EXPECT_EQ(t.peak_host_bytes, 500u);
+  EXPECT_EQ(device.memory().device_bytes, 0u); // not the slots' memory
+  EXPECT_EQ(device.available_bytes(), 1000u);
+  device.count_host_freed(200);
+  EXPECT_EQ(device.transfers().host_bytes, 0u);
+}
+
 } // namespace
 } // namespace blockswap

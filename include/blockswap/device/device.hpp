@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -40,6 +41,17 @@ struct DeviceOptions {
   // CUDA: the stream blocks are computed on, asked at every use (the LibTorch front end passes
   // torch's current stream); empty = the legacy default stream.
   std::function<CUstream_st*()> compute_stream = nullptr;
+};
+
+// Bytes that move between host and device and are not block weights: the activations the
+// LibTorch front end's store offloads for an offloader on this device. They copy on torch's own
+// streams into torch's pinned memory, not on the Device's copy stream (docs/performance.md,
+// "Offloaded activations and the Device" says why); the Device counts them.
+struct TransferStats {
+  std::size_t host_bytes = 0;      // host memory holding them now
+  std::size_t peak_host_bytes = 0; // the most it has held
+  std::uint64_t bytes_d2h = 0;     // copied device->host
+  std::uint64_t bytes_h2d = 0;     // copied back host->device
 };
 
 class Device {
@@ -71,6 +83,13 @@ public:
   std::size_t available_bytes() const;
   // Device memory held through attach(), every engine together: now and at most.
   MemoryStats memory() const;
+
+  // Counts a transfer that is not block weights (TransferStats): `bytes` copied device->host
+  // into host memory held until count_host_freed(bytes); `bytes` copied back host->device.
+  void count_d2h(std::size_t bytes);
+  void count_h2d(std::size_t bytes);
+  void count_host_freed(std::size_t bytes);
+  TransferStats transfers() const;
 
   // The backend for one engine (one offloader). Its device allocations count against the
   // budget, and the OutOfMemory it throws names `label`; its copies go on the shared copy

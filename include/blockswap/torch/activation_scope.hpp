@@ -14,6 +14,8 @@
 
 namespace blockswap {
 
+class Device; // blockswap/device/device.hpp
+
 // The bytes of a torch device held by saved activations (Options::offload_activations,
 // ActivationScope), shared by every offloader and scope of that device.
 struct ActivationStats {
@@ -29,18 +31,29 @@ void reset_activation_stats(c10::Device device);
 // While it lives, what autograd saves on this thread for backward is block `label`'s
 // activations on `device` (kCPU: the emulated device, or kCUDA): saved storages of at least
 // `threshold_bytes` go to host memory when the next scope opens and come back one scope ahead
-// of their backward (Note [offloaded activations] in activation_offload.cpp); the others, and
-// the storages of `weights` (the block's parameters and buffers), stay and are counted (weights
-// are not). run_block opens one for each block with Options::offload_activations; open one
-// yourself around code outside run_block that saves for a block's backward, or, with the
-// default threshold, to count a model's saved activations without moving them. Does nothing
-// under no grad and inside a backward (a recompute reads what it saves at once). Throws
-// blockswap::Error when copying the earlier scopes' activations to host memory fails (they stay
-// on the device), or in a process whose autograd engine is not LibTorch's own.
+// of their backward (Note [offloaded activations] in blockswap/core/activation_rule.hpp); the
+// others, and the storages of `weights` (the block's parameters and buffers), stay and are
+// counted (weights are not). run_block opens one for each block with
+// Options::offload_activations; open one yourself around code outside run_block that saves for
+// a block's backward, or, with the default threshold, to count a model's saved activations
+// without moving them. Does nothing under no grad and inside a backward (a recompute reads what
+// it saves at once). `counted_by` (ModelOffloader's: its Device) counts what the scope's group
+// moves in its TransferStats. Throws blockswap::Error when copying the earlier scopes'
+// activations to host memory fails (they stay on the device).
+//
+// Process-wide: LibTorch has no saved-tensor hook stack a C++ program can push, so the first
+// scope (or the first ModelOffloader with offload_activations) replaces this process's default
+// autograd engine with an instance of LibTorch's own engine class that gives saved tensors their
+// hooks while a scope is open on the saving thread; it stays for the rest of the process, and
+// every later backward runs on it, blockswap's or not. Where the engine in charge is not
+// LibTorch's own, the constructor throws blockswap::Error and changes nothing: a Python process
+// (use the Python package's offload_activations, on torch's public saved_tensors_hooks), or
+// another library that replaced the engine first.
 class ActivationScope {
 public:
   ActivationScope(c10::Device device, std::string label, const std::vector<at::Tensor>& weights,
-                  std::size_t threshold_bytes = SIZE_MAX);
+                  std::size_t threshold_bytes = SIZE_MAX,
+                  std::shared_ptr<Device> counted_by = nullptr);
   ~ActivationScope();
   // not copyable, not movable: it stands for a stretch of this thread's code
   ActivationScope(const ActivationScope&) = delete;

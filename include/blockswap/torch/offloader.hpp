@@ -123,6 +123,9 @@ public:
   // With Options::offload_activations: the device's saved activations (activation_stats).
   ActivationStats activation_stats() const;
   void reset_stats(); // activation_stats() too, with offload_activations
+  // The Device it runs on (Options::shared_device, or its own): its memory account, its budget,
+  // and the TransferStats of the activations this offloader's blocks offload.
+  std::shared_ptr<Device> device() const;
 
   // Full fine-tuning (Options::optimizer). The learning rate of the steps from now on (a
   // schedule changes it between steps).

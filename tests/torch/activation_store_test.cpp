@@ -12,7 +12,7 @@
 
 #include <optional>
 
-#include "activation_offload.hpp"
+#include "activation_store.hpp"
 #include "blockswap/core/error.hpp"
 #include "test_model.hpp"
 
@@ -104,6 +104,30 @@ TEST(ActivationOffload, TheDeviceHoldsAboutTwoBlocksOfActivationsWhateverN) {
     EXPECT_GT(kept, 0) << n;
     EXPECT_LE(offloaded, 2.5 * per_block) << n << ": " << kept << " kept, " << offloaded;
   }
+}
+
+// The store's copies run on torch's streams; the offloader's Device counts them (TransferStats):
+// the host memory they hold while the graph lives, and every copy each way.
+TEST(ActivationOffload, TheOffloadersDeviceCountsTheCopies) {
+  const Inputs in;
+  Model model(4);
+  ModelOffloader offloader("blocks", model.modules(), offloading(2));
+  offloader.reset_stats();
+  const std::shared_ptr<Device> device = offloader.device();
+  ASSERT_NE(device, nullptr);
+  offloader.prepare_block_devices_before_forward();
+  const torch::Tensor loss = forward_run_block(offloader, model, in.x, in.context).pow(2).mean();
+  const ActivationStats out = offloader.activation_stats();
+  ASSERT_GT(out.offloaded_bytes, 0u);
+  EXPECT_EQ(device->transfers().bytes_d2h, out.offloaded_bytes);
+  EXPECT_EQ(device->transfers().host_bytes, out.offloaded_bytes); // held while the graph lives
+  loss.backward();
+  const ActivationStats back = offloader.activation_stats();
+  const TransferStats t = device->transfers();
+  EXPECT_EQ(t.bytes_h2d, back.restored_bytes);
+  EXPECT_EQ(t.peak_host_bytes, out.offloaded_bytes);
+  EXPECT_EQ(t.host_bytes, 0u);                                              // the graph was freed
+  EXPECT_EQ(device->memory().device_bytes, offloader.stats().device_bytes); // the slots alone
 }
 
 TEST(ActivationOffload, AccumulationAndTwoForwardsBeforeOneBackward) {
