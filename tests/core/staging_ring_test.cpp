@@ -10,6 +10,7 @@
 #include <new>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "blockswap/device/emulated.hpp"
@@ -132,7 +133,9 @@ class PatternSource final : public BlockSource {
 public:
   std::vector<int64_t> named_next;
   std::atomic<int> stopped{0};
+  std::atomic<bool> go{false}; // the test has asked for every block: reads may ask what is next
   void read(int64_t block, std::byte* into, const std::function<int64_t()>& next) override {
+    while (!go) std::this_thread::yield();
     named_next.push_back(next());
     BLOCKSWAP_CHECK(block != 3, "[pattern] block 3 cannot be read");
     std::memset(into, static_cast<int>(block), 64);
@@ -146,6 +149,7 @@ TEST(StagingRing, ReadsThroughItsSourceInOrderAndRaisesAFailedReadWhereItIsWaite
     StagingRing ring_({64, 64, 64, 64, 0}, {source, source, source, source, nullptr}, ring(1, 64),
                       "pattern");
     for (int64_t b : {1, 3, 2, 4}) ring_.request(b);
+    source->go = true;
     const StagingReader::Staged one = ring_.next();
     EXPECT_EQ(one.block, 1);
     EXPECT_EQ(one.buffer->data()[63], std::byte{1});
