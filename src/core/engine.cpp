@@ -188,6 +188,7 @@ void Engine::set_forward_only(bool forward_only) {
   BLOCKSWAP_CHECK(forward_only || impl_->training_.has_value(), "[", impl_->label_,
                   "] cannot leave forward-only mode: the engine was built without "
                   "supports_backward");
+  if (impl_->is_forward_only_ != forward_only) impl_->switched_since_prepare_ = true;
   impl_->is_forward_only_ = forward_only;
   impl_->loads_.plan(impl_->current());
 }

@@ -85,6 +85,7 @@ struct Engine::Impl {
   Schedule forward_only_;
   std::optional<Schedule> training_; // when supports_backward
   bool is_forward_only_;
+  bool switched_since_prepare_ = false; // set_forward_only changed the mode after prepare()
   bool enabled_ = true;
   std::size_t slot_bytes_ = 0;
   std::vector<int64_t> priority_; // host memory's (core/planner.hpp, host_priority)

@@ -64,6 +64,7 @@ void Engine::prepare() {
     placed = true;
   }
   impl_->backward_started_.clear(); // a new pass starts
+  impl_->switched_since_prepare_ = false;
   for (Impl::BlockState& state : impl_->blocks_) state.forwarded = false;
   if (!placed) return;
   impl_->synchronize_locked();
@@ -225,14 +226,18 @@ void Engine::Impl::place(int64_t block, int64_t slot) {
 
 void Engine::Impl::move(const Move& m, bool settle) {
   const BlockState& out = blocks_[m.out];
+  // A mode switched after prepare() placed the blocks as the other mode's schedule starts.
+  const char* const why = switched_since_prepare_
+                              ? "; the mode changed since the last one: call it after switching"
+                              : "";
   BLOCKSWAP_CHECK(out.slot >= 0, "[", label_, "] cannot move block ", m.out,
                   " off the device: it is not there. Call prepare_block_devices_before_forward() "
                   "before each pass (",
-                  current().describe(), ")");
+                  current().describe(), why, ")");
   BLOCKSWAP_CHECK(blocks_[m.in].slot < 0, "[", label_, "] cannot load block ", m.in,
                   ": it is already on the device. Call prepare_block_devices_before_forward() "
                   "before each pass (",
-                  current().describe(), ")");
+                  current().describe(), why, ")");
   if (options_.debug) {
     log(detail::concat("[", label_, "] Move block ", m.out, " to host and block ", m.in, " to ",
                        backend_->name()));

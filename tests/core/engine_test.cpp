@@ -89,6 +89,27 @@ TEST(Engine, ForwardOnlyLoadsOnlyWhatIsMissing) {
   EXPECT_EQ(engine.stats().peak_device_bytes, 18u * 4096 * sizeof(float));
 }
 
+// A mode switched between prepare() and the pass (found by an outside tester): the blocks are
+// where the other mode's schedule starts, so the first move fails, and its error says why; the
+// next prepare() places them for the new mode.
+TEST(Engine, AModeSwitchedAfterPrepareIsNamedAndTheNextPrepareRecovers) {
+  const FakeModel model = uniform(7);
+  Engine engine(slow_device(0), model.bytes(), {.blocks_to_swap = 2, .supports_backward = true});
+  model.fill(engine);
+  engine.prepare();
+  engine.set_forward_only(true);
+  engine.wait_for_block(0);
+  try {
+    engine.after_forward(0);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the mode changed since the last one"), std::string::npos)
+        << e.what();
+  }
+  engine.prepare();
+  forward(engine, model);
+}
+
 TEST(Engine, TrainingStepLoadsTwoKBlocksAndCopiesNothingBack) {
   const FakeModel model = uniform(24);
   Engine engine(slow_device(), model.bytes(), {.blocks_to_swap = 6, .supports_backward = true});

@@ -17,6 +17,11 @@
 namespace blockswap {
 namespace {
 
+// The modelled disk's reads are timed on a thread against the host clock (TimedDevice): a step
+// may end a few microseconds either side of the model, more under a sanitizer (measured:
+// 0.999999 of T* under the thread sanitizer, 1e-5 of jitter per step without).
+constexpr double kClockSlack = 1e-4;
+
 struct Shape {
   std::vector<int64_t> blocks;
   std::vector<std::size_t> bytes;
@@ -68,7 +73,7 @@ TEST(TimedThreeTiers, TrainingWithASlowDiskThatIsNotTheBoundStaysWithinTwoPercen
                              std::to_string(ratio) + ", held " + std::to_string(held);
     EXPECT_LT(disk, 1.0) << what; // the disk is not the bound
     EXPECT_LE(step, 1.02) << what;
-    EXPECT_GE(step, 1.0 - 1e-6) << what;
+    EXPECT_GE(step, 1.0 - kClockSlack) << what;
   }
 }
 
@@ -86,7 +91,7 @@ TEST(TimedThreeTiers, TrainingWhereTheDiskIsTheBoundReachesTheBound) {
       const std::string what =
           std::to_string(shape.blocks.size()) + " lists, ring " + std::to_string(ring);
       EXPECT_LE(step, 1.02) << what;
-      EXPECT_GE(step, 1.0 - 1e-6) << what;
+      EXPECT_GE(step, 1.0 - kClockSlack) << what;
       if (ring == 4) {
         EXPECT_NEAR(disk, 1.0, 1e-9) << what; // T* is the disk's time
       }
@@ -152,7 +157,7 @@ TEST(TimedThreeTiers, InferenceWithThePlannersPlacementStaysWithinTwoPercentOfTh
   for (const auto& [held, disk] : std::vector<std::pair<double, double>>{{0.5, 7e9}, {0.75, 3e9}}) {
     const double step = infer_flux(held, disk, true);
     EXPECT_LE(step, 1.02) << "held " << held << ", disk " << disk;
-    EXPECT_GE(step, 1.0 - 1e-6) << "held " << held << ", disk " << disk;
+    EXPECT_GE(step, 1.0 - kClockSlack) << "held " << held << ", disk " << disk;
   }
 }
 
