@@ -715,16 +715,24 @@ class ModelOffloader:
     def stats(self):
         """Bytes moved each way, moves, stall seconds, device bytes now and at most, bytes read
         from the file tier (``disk_bytes``), bytes staged from host memory the system would not
-        pin (``staged_bytes``: a warning said so)."""
+        pin (``staged_bytes``: a warning said so); and the host memory blockswap page-locks on
+        this offloader's device, every offloader on it together (``Device.host_memory()``):
+        ``pinned_host_bytes`` now and at most, the bytes those buffers hold
+        (``kept_host_bytes``, ``peak_kept_host_bytes``), ``pageable_host_bytes``, and
+        ``pinned_per_kept`` (the peaks' ratio: 1.0 is nothing wasted)."""
         if self._impl is None:
             stats = {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
                      "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
                      "staged_bytes": 0}
+            host = {"pinned_host_bytes": 0, "peak_pinned_host_bytes": 0, "kept_host_bytes": 0,
+                    "peak_kept_host_bytes": 0, "pageable_host_bytes": 0, "pinned_per_kept": 0.0}
         else:
             stats = self._impl.stats()
+            host = self._impl.device().host_memory()
         # Counted on across a rebuild (Note [the model as it runs]) and after close().
         for name, value in self._carried.items():
             stats[name] = max(stats[name], value) if name.startswith("peak") else stats[name] + value
+        stats.update(host)
         if self._activations is not None:
             stats.update(self._activation_store.stats())
         return stats

@@ -40,6 +40,17 @@ py::dict to_dict(const Stats& s) {
   return d;
 }
 
+py::dict to_dict(const HostMemoryStats& s) {
+  py::dict d;
+  d["pinned_host_bytes"] = s.pinned_bytes;
+  d["peak_pinned_host_bytes"] = s.peak_pinned_bytes;
+  d["kept_host_bytes"] = s.kept_bytes;
+  d["peak_kept_host_bytes"] = s.peak_kept_bytes;
+  d["pageable_host_bytes"] = s.pageable_bytes;
+  d["pinned_per_kept"] = s.pinned_per_kept();
+  return d;
+}
+
 py::dict to_dict(const MemoryStats& s) {
   py::dict d;
   d["device_bytes"] = s.device_bytes;
@@ -132,6 +143,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("budget_bytes", &Device::budget_bytes)
       .def("available_bytes", &Device::available_bytes)
       .def("memory", [](const Device& d) { return to_dict(d.memory()); })
+      .def("host_memory", [](const Device& d) { return to_dict(d.host_memory()); })
       .def("transfers",
            [](const Device& d) {
              const TransferStats t = d.transfers();

@@ -10,6 +10,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/device/emulated.hpp"
+#include "host_memory.hpp"
 #if BLOCKSWAP_HAS_CUDA
 #include "blockswap/device/cuda.hpp"
 #endif
@@ -29,6 +30,9 @@ struct Device::State {
   std::size_t peak_held_bytes = 0;
   std::map<std::string, std::size_t> held_by; // by label, for messages
   TransferStats transfers;                    // not block weights: offloaded activations
+  // Note [exact host memory] in host_memory.cpp
+  std::shared_ptr<device_detail::HostAccount> host = std::make_shared<device_detail::HostAccount>();
+  std::shared_ptr<device_detail::HostPool> pool;
   int64_t next_id = 0;
   std::map<int64_t, CopyObserver> observers; // by attached id
   bool observing = false;
@@ -73,9 +77,12 @@ public:
   ~Attached() override { set_copy_observer(nullptr); }
 
   std::string name() const override { return state_->backend->name(); }
-  Buffer allocate_host(std::size_t bytes) override { return state_->backend->allocate_host(bytes); }
+  Buffer allocate_host(std::size_t bytes) override {
+    return state_->host->count(state_->backend->allocate_host(bytes), /*kept=*/true);
+  }
   Buffer pin_host(std::byte* data, std::size_t bytes) override {
-    return state_->backend->pin_host(data, bytes);
+    Buffer pinned = state_->backend->pin_host(data, bytes);
+    return pinned ? state_->host->count(std::move(pinned), /*kept=*/true) : Buffer();
   }
   std::unique_ptr<StagingReader> make_staging_reader(StagingSpec spec) override {
     return state_->backend->make_staging_reader(std::move(spec));
@@ -251,6 +258,10 @@ Device::Device(std::shared_ptr<Backend> backend, std::size_t budget_bytes)
   BLOCKSWAP_CHECK(backend != nullptr, "a Device needs a backend");
   state_->backend = std::move(backend);
   state_->budget_bytes = budget_bytes;
+  state_->pool = std::make_shared<device_detail::HostPool>(
+      state_->host, [backend = state_->backend, host = state_->host](std::size_t bytes) {
+        return host->count(backend->allocate_host(bytes), /*kept=*/false);
+      });
 }
 
 Device::~Device() = default;
@@ -307,6 +318,18 @@ void Device::count_host_freed(std::size_t bytes) {
 TransferStats Device::transfers() const {
   std::lock_guard lock(state_->mutex);
   return state_->transfers;
+}
+
+HostMemoryStats Device::host_memory() const {
+  return state_->host->stats();
+}
+
+Buffer Device::pooled_host(std::size_t bytes) {
+  return state_->pool->take(bytes);
+}
+
+void Device::trim_host_pool() {
+  state_->pool->trim();
 }
 
 std::shared_ptr<Backend> Device::attach(std::string label) {

@@ -17,13 +17,17 @@
 // its unpack, as autograd does without hooks (its version counter is checked).
 //
 // On a GPU the copies run on two side streams of torch's pool, device->host and host->device,
-// ordered by events against torch's current stream, into torch's caching pinned memory
-// (docs/performance.md, "Offloaded activations and the Device": why not the Device's copy
-// stream); record_stream keeps torch's allocator from reusing memory a side stream still reads
-// or writes. On the emulated device (kCPU) the copies are synchronous.
+// ordered by events against torch's current stream (docs/performance.md, "Offloaded activations
+// and the Device": why not the Device's copy stream); record_stream keeps torch's allocator from
+// reusing device memory a side stream still reads or writes. The host copies are buffers of
+// exactly their storage's size from the pool of the group's Device (Device::pooled_host, Note
+// [exact host memory] in src/device/host_memory.cpp), on the emulated device as on a GPU; a
+// group without a Device (an ActivationScope given none) uses torch's host allocators. On the
+// emulated device (kCPU) the copies are synchronous.
 #include "activation_store.hpp"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/core/StreamGuard.h>
 
 #include <algorithm>
@@ -211,8 +215,10 @@ void ActivationStore::evict(const Group& group) {
   }
 }
 
-// A copy failed: the copies made before it are dropped, so that nothing changed (torch's pinned
-// allocator keeps a host block whose copy is in flight until the copy ends).
+// A copy failed: the copies made before it are dropped, so that nothing changed. A host buffer
+// whose copy is in flight goes back to the Device's pool, where only a later copy on the same
+// stream writes into it, and a buffer the pool frees is freed by cudaFreeHost, which waits for
+// the device (torch's pinned allocator keeps its own until the copy ends).
 void ActivationStore::drop_host_copies(const std::vector<std::shared_ptr<SavedStorage>>& storages) {
   for (const auto& s : storages) {
     s->host = at::Tensor();
@@ -222,7 +228,7 @@ void ActivationStore::drop_host_copies(const std::vector<std::shared_ptr<SavedSt
 
 void ActivationStore::copy_out(SavedStorage& s, bool pinned) {
   try {
-    at::Tensor host = allocate_host(s.nbytes, pinned);
+    at::Tensor host = allocate_host(s.nbytes, pinned, s.group->counted_by.lock().get());
     host.copy_(s.device, /*non_blocking=*/pinned);
     s.host = std::move(host);
   } catch (const std::exception& e) {
@@ -287,13 +293,19 @@ at::Tensor default_host_allocation(std::size_t bytes, bool pinned) {
                    at::TensorOptions().dtype(at::kByte).pinned_memory(pinned));
 }
 
-at::Tensor allocate_host(std::size_t bytes, bool pinned) {
+at::Tensor allocate_host(std::size_t bytes, bool pinned, Device* device) {
   HostAllocator allocator;
   {
     const std::lock_guard lock(allocator_mutex); // not held while it runs: it may be Python's
     allocator = host_allocator;
   }
-  return allocator ? allocator(bytes, pinned) : default_host_allocation(bytes, pinned);
+  if (allocator) return allocator(bytes, pinned);
+  if (device == nullptr) return default_host_allocation(bytes, pinned);
+  auto buffer = std::make_shared<Buffer>(device->pooled_host(bytes));
+  return at::from_blob(
+      buffer->data(), {static_cast<int64_t>(bytes)},
+      [buffer](void*) mutable { buffer.reset(); }, // gives it back to the pool
+      at::TensorOptions().dtype(at::kByte));
 }
 
 } // namespace blockswap::torch_frontend

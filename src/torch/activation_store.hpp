@@ -188,12 +188,13 @@ void install_saved_tensor_hooks();
 ActivationStats store_stats(c10::Device device);
 void reset_store_stats(c10::Device device);
 
-// How host memory for one storage's copy is allocated (`pinned` on a GPU): by default torch's
-// allocators (its caching pinned allocator on a GPU). Tests replace it to make a copy fail; an
-// empty function restores the default.
+// How host memory for one storage's copy is allocated (`pinned` on a GPU): by default from the
+// pool of the group's Device (Device::pooled_host), or torch's allocators for a group without
+// one. Tests replace it to make a copy fail; an empty function restores the default.
 using HostAllocator = std::function<at::Tensor(std::size_t bytes, bool pinned)>;
 void set_activation_host_allocator(HostAllocator allocator);
-at::Tensor default_host_allocation(std::size_t bytes, bool pinned);
-at::Tensor allocate_host(std::size_t bytes, bool pinned); // the one set, or the default
+at::Tensor default_host_allocation(std::size_t bytes, bool pinned); // torch's allocators
+// The allocator set, or else `device`'s pool, or else torch's allocators.
+at::Tensor allocate_host(std::size_t bytes, bool pinned, Device* device);
 
 } // namespace blockswap::torch_frontend

@@ -5,12 +5,15 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/function.h> // Node, complete: hooked accumulators are replaced here
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 
 #include "blockswap/core/error.hpp"
@@ -42,8 +45,39 @@ FineTuner::~FineTuner() {
   stop();
 }
 
+namespace {
+
+// Tensors of the given sizes and dtypes, zeros, in one host buffer from `backend`: each tensor
+// keeps the buffer alive (optimizer_state() hands them to the caller).
+class HostTensors {
+public:
+  HostTensors(Backend& backend, const std::vector<const PackedTensor*>& tensors) {
+    std::size_t bytes = 0;
+    for (const PackedTensor* t : tensors) bytes = align(bytes) + nbytes(*t);
+    memory_ = std::make_shared<Buffer>(backend.allocate_host(bytes));
+    std::memset(memory_->data(), 0, bytes);
+  }
+  at::Tensor next(const PackedTensor& t) {
+    offset_ = align(offset_);
+    std::byte* data = memory_->data() + offset_;
+    offset_ += nbytes(t);
+    return at::from_blob(
+        data, t.sizes, [memory = memory_](void*) {}, at::TensorOptions().dtype(t.dtype));
+  }
+
+private:
+  static std::size_t align(std::size_t bytes) { return (bytes + 63) / 64 * 64; }
+  static std::size_t nbytes(const PackedTensor& t) {
+    return static_cast<std::size_t>(c10::multiply_integers(t.sizes)) * c10::elementSize(t.dtype);
+  }
+  std::shared_ptr<Buffer> memory_;
+  std::size_t offset_ = 0;
+};
+
+} // namespace
+
 void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder,
-                       Engine& engine, bool pinned) {
+                       Engine& engine, Backend& host_memory) {
   binder_ = &binder;
   engine_ = &engine;
   const auto& layouts = binder.layouts();
@@ -71,14 +105,18 @@ void FineTuner::attach(const std::shared_ptr<BackwardEvents>& events, BlockBinde
   host_stepped_.assign(layouts.size(), false);
   host_saved_.assign(layouts.size(), false);
   in_flight_.assign(layouts.size(), 0);
+  const std::size_t per_param = 1 + (accumulation_ > 1 ? 1 : 0) + names.size();
   for (std::size_t b = 0; b < layouts.size(); ++b) {
+    std::vector<const PackedTensor*> tensors;
+    for (const TrainableParam& param : layouts[b].trainable)
+      tensors.insert(tensors.end(), per_param, &layouts[b].tensors[param.tensor]);
+    if (tensors.empty()) continue;
+    HostTensors memory(host_memory, tensors);
     for (const TrainableParam& param : layouts[b].trainable) {
       const PackedTensor& t = layouts[b].tensors[param.tensor];
-      const auto options = at::TensorOptions().dtype(t.dtype).pinned_memory(pinned);
-      HostParam host{at::empty(t.sizes, options), at::Tensor(), {}};
-      if (accumulation_ > 1) host.grad_sum = at::zeros(t.sizes, options);
-      for (std::size_t i = 0; i < names.size(); ++i)
-        host.state.push_back(at::zeros(t.sizes, options));
+      HostParam host{memory.next(t), at::Tensor(), {}};
+      if (accumulation_ > 1) host.grad_sum = memory.next(t);
+      for (std::size_t i = 0; i < names.size(); ++i) host.state.push_back(memory.next(t));
       host_[b].push_back(std::move(host));
     }
   }

@@ -36,9 +36,11 @@ public:
   PackingRules packing() const;
 
   // After packing: hooks on the gradient accumulator of every trainable parameter; with the
-  // step on the host, its state in host memory (pinned when `pinned`) and its worker thread.
+  // step on the host, its state and gradients in host memory from `host_memory` (one buffer
+  // per block, at its exact size: Note [exact host memory] in src/device/host_memory.cpp) and
+  // its worker thread.
   void attach(const std::shared_ptr<BackwardEvents>& events, BlockBinder& binder, Engine& engine,
-              bool pinned);
+              Backend& host_memory);
   // Waits for the host steps in flight and ends the worker; before the engine goes.
   void stop();
 

@@ -165,7 +165,7 @@ void ModelOffloader::Impl::use_file() {
 
 void ModelOffloader::Impl::start(const std::shared_ptr<Impl>& self) {
   self_ = self;
-  fine_tuner_.attach(self, binder_, *engine_, torch_device_.is_cuda());
+  fine_tuner_.attach(self, binder_, *engine_, *device_->attach(label_ + " host state"));
 }
 
 bool cuda_available() {

@@ -187,6 +187,7 @@ int run_command(const RunArgs& args) {
                                                     work, args.steps, {}, args.offload_activations);
   const ActivationStats activations = offloader.activation_stats();
   const Stats stats = offloader.stats();
+  const HostMemoryStats host = offloader.device()->host_memory();
   const double diff = max_abs_diff(baseline, swapped);
   if (options.trace) options.trace->write_chrome_json(args.trace);
 
@@ -233,6 +234,9 @@ int run_command(const RunArgs& args) {
           {"d2h_bytes", stats.d2h_bytes / steps},
           {"stall_seconds", stats.stall_seconds / double(steps)},
           {"staged_bytes", stats.staged_bytes / steps},
+          {"peak_pinned_host_bytes", host.peak_pinned_bytes},
+          {"peak_kept_host_bytes", host.peak_kept_bytes},
+          {"pinned_per_kept", host.pinned_per_kept()},
           {"predicted_step_seconds", predicted}}},
         {"max_abs_diff", diff},
     };
@@ -276,6 +280,9 @@ int run_command(const RunArgs& args) {
                   format_bytes(swapped.peak_activation_bytes).c_str(),
                   format_bytes(activations.offloaded_bytes / steps).c_str());
     }
+    std::printf("host memory page-locked at its peak: %s for %s kept there (%.3f per byte)\n",
+                format_bytes(host.peak_pinned_bytes).c_str(),
+                format_bytes(host.peak_kept_bytes).c_str(), host.pinned_per_kept());
     std::printf("largest difference between the two results: %g%s\n", diff,
                 diff == 0 ? " (identical)" : "  <-- MISMATCH");
     if (options.trace) std::printf("trace written to %s\n", args.trace.c_str());

@@ -54,6 +54,25 @@ struct TransferStats {
   std::uint64_t bytes_h2d = 0;     // copied back host->device
 };
 
+// Host memory blockswap page-locks through a Device (Note [exact host memory] in
+// src/device/host_memory.cpp): block copies and their spares, the staging ring, offloaded
+// activations, a fine-tuner's host state and gradients, a node's shared copy. Each buffer has
+// exactly the size asked, counted as the system locks it (whole pages); every offloader on the
+// device together, since the device opened.
+struct HostMemoryStats {
+  std::size_t pinned_bytes = 0; // page-locked now
+  std::size_t peak_pinned_bytes = 0;
+  std::size_t kept_bytes = 0; // what those buffers hold now
+  std::size_t peak_kept_bytes = 0;
+  // Host buffers the system refused to page-lock (Buffer::pageable: a low `ulimit -l`, WSL).
+  std::size_t pageable_bytes = 0;
+  // Bytes page-locked per byte kept, at their peaks: 1 is nothing wasted (torch's caching
+  // pinned allocator, rounding up to powers of two, gives up to 2); 0 while nothing was kept.
+  double pinned_per_kept() const {
+    return peak_kept_bytes == 0 ? 0.0 : double(peak_pinned_bytes) / double(peak_kept_bytes);
+  }
+};
+
 class Device {
 public:
   // "emulated" (or "cpu"), "cuda" (device 0), "cuda:N". Throws Error naming the devices this
@@ -90,6 +109,15 @@ public:
   void count_h2d(std::size_t bytes);
   void count_host_freed(std::size_t bytes);
   TransferStats transfers() const;
+  // What blockswap's host buffers on this device lock and hold (HostMemoryStats).
+  HostMemoryStats host_memory() const;
+  // A page-locked host buffer of exactly `bytes` for memory that comes and goes every step
+  // (offloaded activations), from this device's pool: resetting it gives it back, and a later
+  // request of the same size takes it again. The pool never holds more than the most its
+  // buffers held at once. Where the system refuses to lock, the buffer is pageable (and marked).
+  Buffer pooled_host(std::size_t bytes);
+  // Frees the pool's buffers that nobody holds.
+  void trim_host_pool();
 
   // The backend for one engine (one offloader). Its device allocations count against the
   // budget, and the OutOfMemory it throws names `label`; its copies go on the shared copy
