@@ -81,7 +81,9 @@ def setup_reference(model, device, args):
     return (*plain_calls(model, device, lambda: 0), "all weights resident")
 
 
-def setup_diffusers(model, device, args, use_stream):
+def count_group_onloads():
+    """Counts the bytes of each onload of diffusers' group offloading (also real_size.py's):
+    returns (counter, restore), counter["bytes"] growing with each onload."""
     from diffusers.hooks import group_offloading
     counter = {"bytes": 0}
     original = group_offloading.ModuleGroup.onload_
@@ -92,6 +94,14 @@ def setup_diffusers(model, device, args, use_stream):
         counter["bytes"] += nbytes({id(t): t for t in tensors}.values())
         return original(group)
     group_offloading.ModuleGroup.onload_ = counting_onload
+
+    def restore():
+        group_offloading.ModuleGroup.onload_ = original
+    return counter, restore
+
+
+def setup_diffusers(model, device, args, use_stream):
+    counter, _ = count_group_onloads()
     model.enable_group_offload(onload_device=device, offload_device=torch.device("cpu"),
                                offload_type="block_level", num_blocks_per_group=1,
                                use_stream=use_stream)

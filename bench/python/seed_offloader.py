@@ -7,9 +7,15 @@ host->device into the freed memory, tensor by tensor, on a fresh side stream, wi
 host-side synchronisations before and after, on a single worker thread.
 """
 from concurrent.futures import ThreadPoolExecutor
+import contextlib
 import time
 
 import torch
+
+
+def _sync_device(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _weights(block):
@@ -28,6 +34,7 @@ class SeedOffloader:
         self.debug = debug
         self.pool = ThreadPoolExecutor(max_workers=1)
         self.futures = {}
+        self.loads = 0  # blocks moved host -> device
         self.handles = []
         if supports_backward:
             for i, block in enumerate(blocks):
@@ -37,22 +44,32 @@ class SeedOffloader:
 
     # --- the move -------------------------------------------------------------------------
     def _swap(self, block_to_host, block_to_device):
-        torch.cuda.current_stream().synchronize()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
+        # On the CPU (a rehearsal of the real-size benchmark) streams are no-ops and the
+        # copies are clones: the same moves, none of them overlapped.
+        cuda = self.device.type == "cuda"
+        sync = (lambda s: s.synchronize()) if cuda else (lambda s: None)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        stream = torch.cuda.Stream() if cuda else None
+        with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
             pairs = list(zip(_weights(block_to_host), _weights(block_to_device)))
             slots = []
             for outgoing, incoming in pairs:
                 slot = outgoing.data
-                slot.record_stream(stream)
-                outgoing.data = slot.to("cpu", non_blocking=True)  # device -> host
+                if cuda:
+                    slot.record_stream(stream)
+                outgoing.data = slot.to("cpu", non_blocking=cuda)  # device -> host
+                if not cuda:
+                    outgoing.data = outgoing.data.clone()
                 slots.append(slot)
-            stream.synchronize()
+            sync(stream)
             for (outgoing, incoming), slot in zip(pairs, slots):
-                slot.copy_(incoming.data, non_blocking=True)  # host -> device, same memory
+                slot.copy_(incoming.data, non_blocking=cuda)  # host -> device, same memory
                 incoming.data = slot
-        stream.synchronize()
-        torch.cuda.current_stream().synchronize()
+        sync(stream)
+        if cuda:
+            torch.cuda.current_stream().synchronize()
+        self.loads += 1
 
     def _submit(self, index_to_host, index_to_device):
         def move():
@@ -78,7 +95,7 @@ class SeedOffloader:
             b.to(self.device)  # trainable adapters stay on the device
             for p in _weights(b):
                 p.data = p.data.to("cpu")
-        torch.cuda.synchronize()
+        _sync_device(self.device)
 
     def wait_for_block(self, index):
         if not self.blocks_to_swap or index not in self.futures:
