@@ -121,7 +121,7 @@ def child(spec, args):
             try:
                 step, moved, teardown, info = SETUPS[spec["impl"]](
                     model, facts, device, mode, budget, spec["model"], batch)
-                row.update(info)
+                row.update({k: v for k, v in info.items() if not k.startswith("_")})
                 step()  # warm-up
                 sync()
                 before, times = moved(), []
@@ -134,6 +134,10 @@ def child(spec, args):
                 after = moved()
                 row["h2d_bytes_per_step"] = (None if after is None
                                              else (after - before) / args.steps)
+                if "_host" in info:
+                    host = info["_host"]()
+                    row["pinned_host_gib"] = host["peak_pinned_host_bytes"] / 2**30
+                    row["pinned_per_kept"] = host["pinned_per_kept"]
             except (torch.OutOfMemoryError, MemoryError) as e:
                 row["error"] = "out of memory: " + error_text(e)[:160]
             except Exception as e:  # noqa: BLE001 (a row says what failed; the rest runs)
@@ -201,8 +205,9 @@ def cell(r, key, fmt):
 
 def table(rows):
     head = ("| model | mode | cap GiB | impl | s/step | x ref | peak alloc / reserved GiB "
-            "| peak RSS GiB | GB over link / step | K | T_swap/T* | note / error |")
-    lines = [head, "|" + "---|" * 12]
+            "| peak RSS GiB | pinned GiB (per byte kept) | GB over link / step | K | T_swap/T* "
+            "| note / error |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         mem = (f"{r['peak_allocated_gib']:.1f} / {r['peak_reserved_gib']:.1f}"
                if "peak_allocated_gib" in r else "-")
@@ -212,10 +217,12 @@ def table(rows):
             link = f"{r['h2d_bytes_per_step'] / 1e9:.3g}"
         k = ",".join(str(v) for v in r["k"].values()) if isinstance(r.get("k"), dict) else "-"
         text = r.get("error") or r.get("note", "")
+        pinned = (f"{r['pinned_host_gib']:.2f} ({r['pinned_per_kept']:.3f})"
+                  if "pinned_per_kept" in r else "-")
         lines.append(f"| {r['model']} | {r['mode']} | {r.get('cap_gib') or 'none'} | "
                      f"{r['impl']} | {cell(r, 's_per_step', '{:.3g}')} | "
                      f"{cell(r, 'over_reference', '{:.2f}')} | {mem} | "
-                     f"{cell(r, 'peak_rss_gib', '{:.2f}')} | {link} | {k} | "
+                     f"{cell(r, 'peak_rss_gib', '{:.2f}')} | {pinned} | {link} | {k} | "
                      f"{cell(r, 'swap_over_bound', '{:.3f}')} | {text} |")
     return "\n".join(lines)
 

@@ -110,7 +110,10 @@ def setup_blockswap(model, facts, device, mode, budget, name, inputs):
             o.close()
         model.to("cpu")
     moved = lambda: sum(o.stats()["h2d_bytes"] for o in offloaders)  # noqa: E731
-    return step, moved, teardown, dict(k=ks, device_weight_bytes=shared.memory()["device_bytes"])
+    # The host memory blockswap page-locks (Device.host_memory: Note [exact host memory]).
+    host = lambda: shared.host_memory()  # noqa: E731
+    return step, moved, teardown, dict(k=ks, device_weight_bytes=shared.memory()["device_bytes"],
+                                       _host=host)
 
 
 class _SeedHooks:

@@ -144,6 +144,7 @@ PYBIND11_MODULE(_C, m) {
       .def("available_bytes", &Device::available_bytes)
       .def("memory", [](const Device& d) { return to_dict(d.memory()); })
       .def("host_memory", [](const Device& d) { return to_dict(d.host_memory()); })
+      .def("trim_host_pool", &Device::trim_host_pool)
       .def("transfers",
            [](const Device& d) {
              const TransferStats t = d.transfers();

@@ -369,3 +369,33 @@ def test_saved_activation_bytes_is_what_offloading_moves():
     assert o.stats()["activation_offloaded_bytes"] == measured
     o.close()
 
+
+
+def test_offloaded_activations_are_in_page_locked_memory_the_device_counts():
+    """Note [exact host memory]: the activations' host copies come from the Device's pool, are
+    counted in stats() with the host copies, and a later step of the same shapes reuses them."""
+    device = blockswap.open_device("cpu")
+    blocks = make_blocks(4)
+    o = offloader(blocks, 2, shared_device=device)
+    torch.manual_seed(11)
+    x0 = torch.randn(2, TOKENS, DIM)
+    pinned = []
+    for _ in range(3):
+        x = x0.clone().requires_grad_(True)
+        run_blocks(blocks, x, o, None).pow(2).mean().backward()
+        pinned.append(device.host_memory()["pinned_host_bytes"])
+    stats = o.stats()
+    moved = device.transfers()
+    assert moved["bytes_d2h"] > 0
+    frozen = sum(t.numel() * t.element_size() for b in blocks for t in b.parameters()
+                 if not t.requires_grad) + sum(t.numel() * t.element_size()
+                                               for b in blocks for t in b.buffers())
+    assert stats["peak_kept_host_bytes"] >= frozen + moved["peak_host_bytes"]
+    assert stats["peak_pinned_host_bytes"] >= stats["peak_kept_host_bytes"]
+    assert stats["pageable_host_bytes"] == 0
+    assert pinned[2] == pinned[1]  # the third step locked nothing new
+    assert stats == {**stats, **device.host_memory()}  # the device's figures, in stats()
+    device.trim_host_pool()  # the idle activation buffers go; the host copies stay
+    assert device.host_memory()["pinned_host_bytes"] < pinned[2]
+    o.close()
+    assert o.stats()["pinned_host_bytes"] == 0
