@@ -211,17 +211,6 @@ class FluxEmbed(torch.nn.Module):
         return hidden, self.context_embedder(context), temb, cos, sin
 
 
-class FluxSingle(torch.nn.Module):
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, hidden, context, temb, cos, sin):
-        context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context,
-                                     temb=temb, image_rotary_emb=(cos, sin))
-        return hidden, context, temb, cos, sin
-
-
 class WanEmbed(torch.nn.Module):
     def __init__(self, m):
         super().__init__()
@@ -261,7 +250,7 @@ class WanHead(torch.nn.Module):
 def ramtorch_chunks(model, name):
     if name == "flux":
         return [FluxEmbed(model), *(FluxBlock(b) for b in model.transformer_blocks),
-                *(FluxSingle(b) for b in model.single_transformer_blocks), FluxHead(model)]
+                *(FluxBlock(b) for b in model.single_transformer_blocks), FluxHead(model)]
     return [WanEmbed(model), *(WanBlock(b) for b in model.blocks), WanHead(model)]
 
 
