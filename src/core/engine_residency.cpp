@@ -180,7 +180,7 @@ void Engine::Impl::wait_locked(int64_t block) {
     } else if (device_timed) {
       StallTimer timer;
       if (spare_timers_.empty()) {
-        timer = StallTimer{backend_->make_event(), backend_->make_event()};
+        timer = StallTimer{backend_->make_timed_event(), backend_->make_timed_event()};
       } else {
         timer = std::move(spare_timers_.back());
         spare_timers_.pop_back();

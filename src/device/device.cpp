@@ -149,6 +149,12 @@ public:
     state_->backend->poison(device, bytes);
   }
   std::unique_ptr<Event> make_event() override { return state_->backend->make_event(); }
+  std::unique_ptr<Event> make_timed_event() override { return state_->backend->make_timed_event(); }
+  // The engine times its stalls on the device through these (docs/performance.md).
+  bool times_events() const override { return state_->backend->times_events(); }
+  std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override {
+    return state_->backend->elapsed_seconds(start, end);
+  }
   void record(Event& event, Stream stream) override { state_->backend->record(event, stream); }
   void wait(Stream stream, const Event& event) override { state_->backend->wait(stream, event); }
   void synchronize(const Event& event) override { state_->backend->synchronize(event); }

@@ -8,6 +8,7 @@
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/device/emulated.hpp"
+#include "blockswap/device/timed.hpp"
 
 namespace blockswap {
 namespace {
@@ -136,6 +137,29 @@ TEST(Device, CopiesOfEveryAttachedBackendFormOneQueue) {
   a->record(*last, Stream::copy);
   a->synchronize(*last);
   EXPECT_EQ(seen.size(), expected.size()); // a no longer observes
+}
+
+// An engine sees through attach() whether the device times events, and times them: stalls are
+// measured on the device (docs/performance.md, "Stalls on a GPU") through a shared Device too.
+TEST(Device, AttachedBackendsTimeEventsWhereTheDeviceDoes) {
+  auto timed = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = {1e9}});
+  Device device(timed);
+  const std::shared_ptr<Backend> attached = device.attach("a");
+  EXPECT_TRUE(attached->times_events());
+  const auto start = attached->make_timed_event(), end = attached->make_timed_event();
+  attached->record(*start, Stream::compute);
+  timed->compute(0.25);
+  attached->record(*end, Stream::compute);
+  attached->synchronize(*end);
+  const std::optional<double> seconds = attached->elapsed_seconds(*start, *end);
+  ASSERT_TRUE(seconds.has_value());
+  EXPECT_NEAR(*seconds, 0.25, 1e-3); // the modelled link's latency and the host's slack
+  const auto untimed = attached->make_event();
+  attached->record(*untimed, Stream::compute);
+  EXPECT_NE(
+      error_of([&] { (void)attached->elapsed_seconds(*start, *untimed); }).find("make_timed_event"),
+      std::string::npos);
+  EXPECT_FALSE(Device::open("emulated")->attach("b")->times_events());
 }
 
 // Two engines on one device: each runs its schedule exactly, their slots count together.
