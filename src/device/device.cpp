@@ -219,6 +219,7 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
                       "device '", name, "': the index after 'cuda:' must be a number, e.g. cuda:0");
     }
     cuda.compute_stream = std::move(options.compute_stream);
+    cuda.release_cached_memory = std::move(options.release_cached_memory);
     return std::make_shared<Device>(std::make_shared<CudaDevice>(std::move(cuda)),
                                     options.budget_bytes);
 #endif
