@@ -162,6 +162,33 @@ TEST(Device, AttachedBackendsTimeEventsWhereTheDeviceDoes) {
   EXPECT_FALSE(Device::open("emulated")->attach("b")->times_events());
 }
 
+// EngineOptions::slots_at_construction = false: the slots come with allocate_slots() (the front
+// end packs a model on the GPU first, Note [slots after packing]); once there, it does nothing.
+TEST(Device, AnEngineCanAllocateItsSlotsAfterConstruction) {
+  auto device = Device::open("emulated", {.budget_bytes = 3 * 256});
+  Engine engine(device->attach("late"), std::vector<std::size_t>(5, 256),
+                {.blocks_to_swap = 2, .slots_at_construction = false});
+  EXPECT_EQ(device->memory().device_bytes, 0u);
+  for (int64_t b = 0; b < engine.blocks(); ++b) {
+    std::fill_n(engine.host_data(b), engine.block_bytes(b), std::byte(b + 1));
+  }
+  engine.allocate_slots();
+  EXPECT_EQ(device->memory().device_bytes, 3u * 256);
+  engine.allocate_slots();
+  EXPECT_EQ(device->memory().device_bytes, 3u * 256);
+  engine.prepare();
+  for (int64_t b = 0; b < engine.blocks(); ++b) {
+    const Entered entered = engine.enter(b);
+    EXPECT_EQ(entered.slot->data()[0], std::byte(b + 1)) << "block " << b;
+    engine.leave(b);
+  }
+  // A budget the slots do not fit: an engine that waits still throws, at allocate_slots.
+  Engine over(device->attach("over"), std::vector<std::size_t>(5, 256),
+              {.blocks_to_swap = 2, .slots_at_construction = false});
+  const std::string e = error_of([&] { over.allocate_slots(); });
+  EXPECT_NE(e.find("does not fit the device budget"), std::string::npos) << e;
+}
+
 // Two engines on one device: each runs its schedule exactly, their slots count together.
 TEST(Device, TwoEnginesShareOneDevice) {
   auto device = Device::open("emulated", {.budget_bytes = 5 * 256});
