@@ -186,12 +186,14 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
 // end empties torch's cache) and the allocation is tried once more. Why not raw_alloc from
 // torch's allocator: (1) cudaFree synchronizes the device, which is what lets a slot go while
 // the copy stream or a compute stream may still touch it; raw_delete returns the block to the
-// allocation stream's pool at once, so the slot's last uses on the other streams would need
-// recordStream-like events; (2) a slot lives as long as its offloader and is as large as a
-// block: inside torch's pool it would pin one segment each and fragment what torch's own
-// tensors get, while outside it torch's OOM path counts it as memory in use, which it is; (3)
-// core and device stay free of torch (DESIGN.md, section 3), and the CUDA backend runs without
-// torch (the C++ API, the blockswap tool's emulated and GPU paths).
+// allocation stream's pool at once, and recordStream, which would hold it for the other
+// streams' work, takes only allocate()'s DataPtr (c10/cuda/CUDACachingAllocator.h, 2.7-2.14):
+// every release would need its own events or a device synchronize; (2) a slot lives as long as
+// its offloader and is as large as a block: carved out of a segment of torch's pool, it keeps
+// that whole segment from emptyCache and fragments the pool torch's own tensors come from,
+// while outside it torch's OOM path sees it as memory in use, which it is; (3) core and
+// device stay free of torch (DESIGN.md, section 3), and the CUDA backend runs without torch
+// (the C++ API, the blockswap tool's emulated and GPU paths).
 Buffer CudaDevice::allocate_device(std::size_t bytes) {
   DeviceScope scope(state_->options.device);
   void* data = nullptr;
