@@ -76,6 +76,11 @@ void Engine::prepare() {
   if (static_cast<int64_t>(impl_->slots_.size()) > needed) impl_->release_empty_slots();
 }
 
+void Engine::allocate_slots() {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->ensure_slots(impl_->enabled_ ? impl_->current().slots() : blocks());
+}
+
 // The recompute pass of checkpointing: a differentiable block that already ran forward in this
 // pass (a block that has not is computed normally: not every block need be checkpointed).
 bool Engine::Impl::recompute_pass(int64_t block, Compute compute) const {
@@ -180,7 +185,7 @@ void Engine::Impl::wait_locked(int64_t block) {
     } else if (device_timed) {
       StallTimer timer;
       if (spare_timers_.empty()) {
-        timer = StallTimer{backend_->make_event(), backend_->make_event()};
+        timer = StallTimer{backend_->make_timed_event(), backend_->make_timed_event()};
       } else {
         timer = std::move(spare_timers_.back());
         spare_timers_.pop_back();

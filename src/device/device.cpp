@@ -156,6 +156,12 @@ public:
     state_->backend->poison(device, bytes);
   }
   std::unique_ptr<Event> make_event() override { return state_->backend->make_event(); }
+  std::unique_ptr<Event> make_timed_event() override { return state_->backend->make_timed_event(); }
+  // The engine times its stalls on the device through these (docs/performance.md).
+  bool times_events() const override { return state_->backend->times_events(); }
+  std::optional<double> elapsed_seconds(const Event& start, const Event& end) const override {
+    return state_->backend->elapsed_seconds(start, end);
+  }
   void record(Event& event, Stream stream) override { state_->backend->record(event, stream); }
   void wait(Stream stream, const Event& event) override { state_->backend->wait(stream, event); }
   void synchronize(const Event& event) override { state_->backend->synchronize(event); }
@@ -220,6 +226,7 @@ std::shared_ptr<Device> Device::open(std::string_view name, DeviceOptions option
                       "device '", name, "': the index after 'cuda:' must be a number, e.g. cuda:0");
     }
     cuda.compute_stream = std::move(options.compute_stream);
+    cuda.release_cached_memory = std::move(options.release_cached_memory);
     return std::make_shared<Device>(std::make_shared<CudaDevice>(std::move(cuda)),
                                     options.budget_bytes);
 #endif

@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
 #include "file_weights.hpp"
 #include "node_sharing.hpp"
@@ -65,6 +66,21 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
   }
 }
 
+// The packed tensors that are on a device now (a model moved to the GPU before its offloader
+// was made), with that device.
+std::vector<std::pair<at::Tensor, c10::Device>>
+packed_on_device(const std::vector<BlockLayout>& layouts) {
+  std::vector<std::pair<at::Tensor, c10::Device>> found;
+  for (const BlockLayout& layout : layouts) {
+    for (const auto& t : layout.tensors) {
+      if (t.variable.defined() && !t.variable.device().is_cpu()) {
+        found.emplace_back(t.variable, t.variable.device());
+      }
+    }
+  }
+  return found;
+}
+
 } // namespace
 
 // The torch device a blockswap Device computes on: kCPU for the emulated device.
@@ -116,6 +132,16 @@ void ModelOffloader::Impl::build() {
   blocks_to_swap_ = engine_options.blocks_to_swap;
   std::vector<std::size_t> bytes;
   for (const auto& layout : binder_.layouts()) bytes.push_back(layout.bytes);
+  // Note [slots after packing]
+  // A model already on the GPU is packed into host memory before the slots are allocated:
+  // otherwise its device copy and the slots would be on the device together (the peak would be
+  // the whole model plus the slots), and the memory the weights leave would sit in torch's
+  // cache, out of the slots' reach (the CUDA backend empties that cache and tries again on
+  // cudaErrorMemoryAllocation: Note [slots beside torch's allocator]). Should the slots then
+  // not fit, the tensors go back to the device they were on, so that the constructor still
+  // changes nothing when it fails.
+  const auto was_on_device = packed_on_device(binder_.layouts());
+  engine_options.slots_at_construction = was_on_device.empty();
   const std::shared_ptr<Backend> backend = device_->attach(label_);
   engine_ = std::make_unique<Engine>(backend, std::move(bytes), std::move(engine_options), label_);
   if (file_) use_file();
@@ -125,6 +151,19 @@ void ModelOffloader::Impl::build() {
                             : share_->fills() ? HostCopies::shared_fill
                                               : HostCopies::shared_filled;
   binder_.pack(*engine_, copies); // it changes nothing when it fails
+  try {
+    engine_->allocate_slots(); // Note [slots after packing]
+  } catch (...) {
+    binder_.restore_to_host();
+    for (auto& [tensor, device] : was_on_device) {
+      try {
+        tensor.set_data(tensor.data().to(device));
+      } catch (const std::exception& e) {
+        warn("", detail::concat("[", label_, "] a weight stays in host memory: ", e.what()));
+      }
+    }
+    throw;
+  }
   if (share_) {
     try {
       share_->publish(); // local rank 0 waits here until every other local rank has mapped it
@@ -190,6 +229,12 @@ std::shared_ptr<Device> open_device(c10::Device device, DeviceOptions options) {
     if (!options.compute_stream) {
       options.compute_stream = [index] {
         return torch_frontend::compat::current_cuda_stream(index);
+      };
+    }
+    // Note [slots beside torch's allocator] (src/device/cuda/cuda_device.cpp)
+    if (!options.release_cached_memory) {
+      options.release_cached_memory = [index] {
+        return torch_frontend::compat::release_cuda_cache(index);
       };
     }
     return Device::open(detail::concat("cuda:", index), std::move(options));

@@ -12,6 +12,7 @@
 #define BLOCKSWAP_TORCH_CUDA 0 // the build defines it 1 against a CUDA torch
 #endif
 #if BLOCKSWAP_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -66,6 +67,22 @@ bool torch_cuda_streams() {
 int current_cuda_device() {
   const c10::impl::VirtualGuardImpl guard(c10::DeviceType::CUDA);
   return guard.getDevice().index();
+}
+
+std::string release_cuda_cache(int device) {
+#if BLOCKSWAP_TORCH_CUDA
+  namespace cache = c10::cuda::CUDACachingAllocator;
+  if (!cache::get()->initialized()) return "torch has not used CUDA yet";
+  cache::emptyCache();
+  const auto stats = cache::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  // [0]: StatType::AGGREGATE in every supported torch (c10/core/Allocator.h, 2.7's
+  // CachingDeviceAllocator.h)
+  return detail::concat("torch's caching allocator holds ", stats.allocated_bytes[0].current,
+                        " bytes in tensors, ", stats.reserved_bytes[0].current,
+                        " bytes reserved in all");
+#else
+  return detail::concat("cuda:", device, ": this torch has no CUDA caching allocator");
+#endif
 }
 
 CUstream_st* current_cuda_stream(int device) {

@@ -10,6 +10,7 @@
 #include <torch/version.h>
 
 #include <memory>
+#include <string>
 
 struct CUstream_st;
 
@@ -55,5 +56,10 @@ int current_cuda_device();
 // The stream torch computes on now on CUDA device `device` (the raw cudaStream_t). Throws
 // Error where torch_cuda_streams() is false.
 CUstream_st* current_cuda_stream(int device);
+// Gives the CUDA memory torch's caching allocator keeps cached and unused back to the driver
+// (emptyCache) and says, in words, what the allocator still holds on `device` (the OutOfMemory
+// message of a slot that did not fit: Note [slots beside torch's allocator] in
+// src/device/cuda/cuda_device.cpp). Error where torch_cuda_streams() is false.
+std::string release_cuda_cache(int device);
 
 } // namespace blockswap::torch_frontend::compat

@@ -103,6 +103,7 @@ public:
   }
   void poison(std::byte* device, std::size_t bytes) override { cuda_->poison(device, bytes); }
   std::unique_ptr<Event> make_event() override { return cuda_->make_event(); }
+  std::unique_ptr<Event> make_timed_event() override { return cuda_->make_timed_event(); }
   void record(Event& event, Stream stream) override { cuda_->record(event, stream); }
   void wait(Stream stream, const Event& event) override { cuda_->wait(stream, event); }
   void synchronize(const Event& event) override { cuda_->synchronize(event); }

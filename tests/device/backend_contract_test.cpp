@@ -527,8 +527,8 @@ TEST_P(BackendContract, TheCopyStreamWaitsForTheComputationsItIsToldTo) {
     drain(); // an observer sees the copies that complete while it is set
     std::vector<CopyRecord> seen;
     backend().set_copy_observer([&](const CopyRecord& c) { seen.push_back(c); });
-    const auto start = backend().make_event(), computed = backend().make_event();
-    const auto copied = backend().make_event(), end = backend().make_event();
+    const auto start = backend().make_timed_event(), computed = backend().make_timed_event();
+    const auto copied = backend().make_timed_event(), end = backend().make_timed_event();
     backend().record(*start, Stream::compute);
     subject().compute(backend(), 0.05);
     backend().record(*computed, Stream::compute);
@@ -591,8 +591,8 @@ TEST_P(BackendContract, TheComputeStreamWaitsForTheCopiesItIsToldTo) {
     drain(); // an observer sees the copies that complete while it is set
     std::vector<CopyRecord> seen;
     backend().set_copy_observer([&](const CopyRecord& c) { seen.push_back(c); });
-    const auto start = backend().make_event(), copied = backend().make_event();
-    const auto end = backend().make_event();
+    const auto start = backend().make_timed_event(), copied = backend().make_timed_event();
+    const auto end = backend().make_timed_event();
     backend().record(*start, Stream::compute);
     backend().copy_to_device(dev.data(), host.data(), kBytes, 2);
     backend().record(*copied, Stream::copy);
@@ -639,11 +639,11 @@ TEST_P(BackendContract, SynchronizeBlocksTheHostUntilTheEvent) {
 
 // Recording again replaces the event's point; a wait already enqueued keeps the point it saw.
 TEST_P(BackendContract, RecordingAgainMovesThePointAndEarlierWaitsKeepTheirs) {
-  const std::unique_ptr<Event> event = backend().make_event();
+  const std::unique_ptr<Event> event = backend().make_timed_event();
   backend().record(*event, Stream::copy);
   backend().synchronize(*event);
   if (subject().runs_now(Stream::copy)) {
-    const auto start = backend().make_event();
+    const auto start = backend().make_timed_event();
     backend().record(*start, Stream::compute);
     backend().record(*event, Stream::compute);
     subject().compute(backend(), 0.5);
@@ -744,7 +744,7 @@ TEST_P(BackendContract, WaitHostRunsItsFunctionBeforeTheStreamsLaterWork) {
 // host).
 TEST_P(BackendContract, ElapsedSecondsTimesTheComputeStreamWhereItCan) {
   EXPECT_EQ(backend().times_events(), subject().times_events);
-  const auto start = backend().make_event(), end = backend().make_event();
+  const auto start = backend().make_timed_event(), end = backend().make_timed_event();
   backend().record(*start, Stream::compute);
   subject().compute(backend(), 0.05);
   backend().record(*end, Stream::compute);
@@ -770,6 +770,32 @@ TEST_P(BackendContract, ElapsedSecondsTimesTheComputeStreamWhereItCan) {
   backend().synchronize(*end);
   EXPECT_TRUE(backend().elapsed_seconds(*start, *end).has_value());
   EXPECT_FALSE(gate.timed_out());
+}
+
+// make_event's events order the streams and cannot be timed (CUDA: cudaEventDisableTiming);
+// where the backend times events, elapsed_seconds refuses them with an Error, so that a caller
+// that forgets make_timed_event fails on the timed device here as it would on a GPU. Timed
+// events order the streams as untimed ones do.
+TEST_P(BackendContract, OnlyTimedEventsAreTimed) {
+  const auto start = backend().make_event(), end = backend().make_event();
+  const auto timed = backend().make_timed_event();
+  backend().record(*start, Stream::compute);
+  backend().record(*timed, Stream::compute);
+  backend().record(*end, Stream::compute);
+  backend().synchronize(*end);
+  backend().wait(Stream::copy, *timed);
+  backend().synchronize(*timed);
+  if (!subject().times_events) {
+    EXPECT_FALSE(backend().elapsed_seconds(*start, *end).has_value());
+    EXPECT_FALSE(backend().elapsed_seconds(*timed, *timed).has_value());
+    return;
+  }
+  EXPECT_THROW((void)backend().elapsed_seconds(*start, *end), Error);
+  EXPECT_THROW((void)backend().elapsed_seconds(*timed, *end), Error);
+  EXPECT_THROW((void)backend().elapsed_seconds(*start, *timed), Error);
+  const std::optional<double> zero = backend().elapsed_seconds(*timed, *timed);
+  ASSERT_TRUE(zero.has_value());
+  EXPECT_EQ(*zero, 0.0);
 }
 
 // A file of `bytes` bytes with known contents, in a directory of this test's own.
@@ -799,7 +825,7 @@ TEST_P(BackendContract, TheStagingReaderReadsWhatTheFileHolds) {
     spec.staging.push_back(std::make_shared<Buffer>(backend().allocate_host(kBytes)));
     const std::unique_ptr<StagingReader> reader = backend().make_staging_reader(std::move(spec));
     Buffer dev = backend().allocate_device(kBytes);
-    const auto start = backend().make_event(), end = backend().make_event();
+    const auto start = backend().make_timed_event(), end = backend().make_timed_event();
     std::shared_ptr<Event> copied = backend().make_event();
     backend().record(*start, Stream::compute);
     reader->request(0);

@@ -8,6 +8,7 @@
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/device/emulated.hpp"
+#include "blockswap/device/timed.hpp"
 
 namespace blockswap {
 namespace {
@@ -136,6 +137,56 @@ TEST(Device, CopiesOfEveryAttachedBackendFormOneQueue) {
   a->record(*last, Stream::copy);
   a->synchronize(*last);
   EXPECT_EQ(seen.size(), expected.size()); // a no longer observes
+}
+
+// An engine sees through attach() whether the device times events, and times them: stalls are
+// measured on the device (docs/performance.md, "Stalls on a GPU") through a shared Device too.
+TEST(Device, AttachedBackendsTimeEventsWhereTheDeviceDoes) {
+  auto timed = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = {1e9}});
+  Device device(timed);
+  const std::shared_ptr<Backend> attached = device.attach("a");
+  EXPECT_TRUE(attached->times_events());
+  const auto start = attached->make_timed_event(), end = attached->make_timed_event();
+  attached->record(*start, Stream::compute);
+  timed->compute(0.25);
+  attached->record(*end, Stream::compute);
+  attached->synchronize(*end);
+  const std::optional<double> seconds = attached->elapsed_seconds(*start, *end);
+  ASSERT_TRUE(seconds.has_value());
+  EXPECT_NEAR(*seconds, 0.25, 1e-3); // the modelled link's latency and the host's slack
+  const auto untimed = attached->make_event();
+  attached->record(*untimed, Stream::compute);
+  EXPECT_NE(
+      error_of([&] { (void)attached->elapsed_seconds(*start, *untimed); }).find("make_timed_event"),
+      std::string::npos);
+  EXPECT_FALSE(Device::open("emulated")->attach("b")->times_events());
+}
+
+// EngineOptions::slots_at_construction = false: the slots come with allocate_slots() (the front
+// end packs a model on the GPU first, Note [slots after packing]); once there, it does nothing.
+TEST(Device, AnEngineCanAllocateItsSlotsAfterConstruction) {
+  auto device = Device::open("emulated", {.budget_bytes = 3 * 256});
+  Engine engine(device->attach("late"), std::vector<std::size_t>(5, 256),
+                {.blocks_to_swap = 2, .slots_at_construction = false});
+  EXPECT_EQ(device->memory().device_bytes, 0u);
+  for (int64_t b = 0; b < engine.blocks(); ++b) {
+    std::fill_n(engine.host_data(b), engine.block_bytes(b), std::byte(b + 1));
+  }
+  engine.allocate_slots();
+  EXPECT_EQ(device->memory().device_bytes, 3u * 256);
+  engine.allocate_slots();
+  EXPECT_EQ(device->memory().device_bytes, 3u * 256);
+  engine.prepare();
+  for (int64_t b = 0; b < engine.blocks(); ++b) {
+    const Entered entered = engine.enter(b);
+    EXPECT_EQ(entered.slot->data()[0], std::byte(b + 1)) << "block " << b;
+    engine.leave(b);
+  }
+  // A budget the slots do not fit: an engine that waits still throws, at allocate_slots.
+  Engine over(device->attach("over"), std::vector<std::size_t>(5, 256),
+              {.blocks_to_swap = 2, .slots_at_construction = false});
+  const std::string e = error_of([&] { over.allocate_slots(); });
+  EXPECT_NE(e.find("does not fit the device budget"), std::string::npos) << e;
 }
 
 // Two engines on one device: each runs its schedule exactly, their slots count together.

@@ -55,7 +55,7 @@ TEST(TimedDevice, CopiesTakeLatencyPlusBytesOverBandwidth) {
 TEST(TimedDevice, EventsOrderTheStreams) {
   TimedDevice device({.link = {1e9}});
   Buffer host = device.allocate_host(64), dev = device.allocate_device(64);
-  auto loaded = device.make_event(), computed = device.make_event();
+  auto loaded = device.make_timed_event(), computed = device.make_timed_event();
   const double start = device.now();
   // A load of 1 s, a computation that waits for it, a copy that waits for the computation.
   device.copy_to_device(dev.data(), host.data(), 1'000'000'000, 0);

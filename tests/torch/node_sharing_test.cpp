@@ -5,13 +5,16 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <barrier>
 #include <chrono>
 #include <condition_variable>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 
+#include "blockswap/core/node_memory.hpp"
 #include "test_model.hpp"
 
 namespace blockswap {
@@ -127,6 +130,62 @@ TEST(NodeSharing, EveryRankTrainsExactlyOnLocalRankZerosWeights) {
     EXPECT_NE(runs[0]->model.blocks[1]->fc2->weight.data_ptr(),
               runs[1]->model.blocks[1]->fc2->weight.data_ptr());
   }
+}
+
+// Note [pinning shares]
+// The ranks of a node map one copy of the frozen weights, copy-on-write. On a GPU each rank
+// page-locks its mapping read-only (CudaDevice::pin_host); were the pin to make the kernel copy
+// the pages (a pin for writing, or a long-term read-only pin that unshares copy-on-write pages),
+// each rank would hold a private copy: smaps would show the mapping's pages as private, not
+// shared. Measured after a pass, so that every rank has read every page, and with the
+// offloaders alive. Here (the emulated device pins nothing) it checks the measurement itself.
+TEST(NodeSharing, PinningTheSharedCopyMakesNoPrivateCopy) {
+  constexpr int64_t kBlocks = 4, kRanks = 2;
+  TestStore store;
+  std::vector<std::unique_ptr<TrainingRun>> runs;
+  std::size_t frozen_bytes = 0;
+  for (int64_t r = 0; r < kRanks; ++r) runs.push_back(std::make_unique<TrainingRun>(kBlocks));
+  for (auto& block : runs[0]->model.blocks) {
+    for (auto& p : block->parameters()) {
+      if (!p.requires_grad()) frozen_bytes += p.numel() * p.element_size();
+    }
+  }
+  std::barrier together(kRanks);
+  NodeMemoryUse use;
+  std::vector<bool> pinned(kRanks, false);
+  const auto errors = on_ranks(kRanks, [&](int64_t r) {
+    TrainingRun& run = *runs[r];
+    std::optional<ModelOffloader> offloader;
+    try {
+      Options o = shared_options(2, store.rank(r, kRanks));
+      o.shared_device = open_device(kDevice);
+      pinned[r] = false;
+      offloader.emplace("block", run.model.modules(), o);
+      pinned[r] = o.shared_device->backend().memory().pinned_host;
+      run.run(1, [&](torch::Tensor x, const torch::Tensor& c) {
+        offloader->prepare_block_devices_before_forward();
+        return forward_run_block(*offloader, run.model, x, c);
+      });
+    } catch (...) {
+      together.arrive_and_drop();
+      throw;
+    }
+    together.arrive_and_wait();
+    if (r == 0) use = NodeMemory::use();
+    together.arrive_and_wait();
+  });
+  for (int64_t r = 0; r < kRanks; ++r) ASSERT_EQ(errors[r], "") << "rank " << r;
+  std::cout << "node memory with " << kRanks << " ranks, pinned " << pinned[0] << "/" << pinned[1]
+            << ": private " << use.private_bytes << ", shared " << use.shared_bytes
+            << ", frozen weights " << frozen_bytes << " bytes\n";
+  ASSERT_GT(frozen_bytes, 0u);
+  // Every rank maps every page of the one copy: kRanks mappings of it, shared.
+  EXPECT_GE(use.shared_bytes, kRanks * frozen_bytes);
+  // A private copy of the weights in a rank would be frozen_bytes; the page-aligned parts
+  // (node_sharing.cpp) and the header page stay well under half of it.
+  EXPECT_LT(use.private_bytes, frozen_bytes / 2)
+      << "pinning made a private copy of the node's weights (pinned: " << pinned[0] << ", "
+      << pinned[1] << ")";
 }
 
 // Two groups of ranks on one node meeting through one store (process subgroups), each group

@@ -125,8 +125,13 @@ public:
   // Enqueues filling released device memory with NaN on the copy stream, so that a read of a
   // released slot shows; returns at once. A backend may do nothing.
   virtual void poison(std::byte* device, std::size_t bytes) = 0;
-  // A new event, not yet recorded (waiting on it returns at once).
+  // A new event, not yet recorded (waiting on it returns at once), for ordering only: it
+  // cannot be timed, which makes it lighter to record and wait for (CUDA: no timestamp).
   virtual std::unique_ptr<Event> make_event() = 0;
+  // A new event that elapsed_seconds can time, where the backend times events; otherwise the
+  // same as make_event (the default). A backend that forwards times_events to another forwards
+  // this too.
+  virtual std::unique_ptr<Event> make_timed_event() { return make_event(); }
   // Records `event` at the current end of `stream`; returns at once.
   virtual void record(Event& event, Stream stream) = 0;
   // Makes later work on `stream` wait for `event`. The host does not wait, except where the
@@ -144,9 +149,11 @@ public:
   virtual void wait_host(Stream /*stream*/, std::function<void()> until) { until(); }
   // Whether elapsed_seconds can time this backend's events.
   virtual bool times_events() const { return false; }
-  // The device time from `start` to `end`, two events recorded on the compute stream, once
-  // both have completed; nullopt while they have not, or when the backend cannot time events
-  // (the emulated device: its compute stream is the host). The engine measures stalls with it.
+  // The device time from `start` to `end`, two events made by make_timed_event and recorded on
+  // the compute stream, once both have completed; nullopt while they have not, or when the
+  // backend cannot time events (the emulated device: its compute stream is the host). Throws
+  // Error for an event from make_event where the backend times events. The engine measures
+  // stalls with it.
   virtual std::optional<double> elapsed_seconds(const Event& /*start*/,
                                                 const Event& /*end*/) const {
     return std::nullopt;

@@ -62,6 +62,10 @@ struct EngineOptions {
   // core/load_pipeline.hpp); they may have no trainable bytes. Unset: every block is in host
   // memory.
   std::optional<FileTier> file = {};
+  // false: the constructor allocates no slot; allocate_slots() (or the first prepare()) does.
+  // The LibTorch front end packs a model that is on the GPU into host memory first, so that
+  // its device copy and the slots are never on the device together.
+  bool slots_at_construction = true;
 };
 
 struct Stats {
@@ -148,6 +152,10 @@ public:
   // When it moves blocks it waits until they are loaded, like the seed's; in the steady state
   // it moves none and returns at once, leaving loads started by the last pass to enter().
   void prepare();
+  // Allocates the slots the current schedule starts with, where the constructor did not
+  // (EngineOptions::slots_at_construction); does nothing once they are. Throws OutOfMemory
+  // when they do not fit.
+  void allocate_slots();
 
   // The per-block protocol, one call before and one after each block's computation.
   //

@@ -5,6 +5,8 @@
 // once per slot. Copies run on one non-blocking copy stream; compute runs on the stream the
 // `compute_stream` function returns at each call (the LibTorch front end passes the current
 // torch stream). Ordering between them is by events only: the host never waits for compute.
+// Every call runs with `device` current and gives the caller's current device back, so that
+// a thread may have any device current when it calls.
 // Available when blockswap is built with BLOCKSWAP_CUDA (target blockswap::cuda).
 #pragma once
 
@@ -22,11 +24,17 @@ struct CudaDeviceOptions {
   int device = 0;
   // The stream blocks are computed on; nullptr (the default) is the legacy default stream.
   std::function<CUstream_st*()> compute_stream = nullptr;
+  // Called when a slot allocation runs out of device memory: gives back to the driver what
+  // another allocator of this process keeps cached on the device (the LibTorch front end:
+  // torch's caching allocator) and returns what that allocator still holds, in words, for the
+  // OutOfMemory message; the allocation is then tried once more. Empty: no second try.
+  std::function<std::string()> release_cached_memory = nullptr;
 };
 
 class CudaDevice final : public Backend {
 public:
-  // Throws Error naming the CUDA error when the device cannot be used.
+  // Throws Error naming the CUDA error when the device cannot be used, and the devices present
+  // when `options.device` is not one of them.
   explicit CudaDevice(CudaDeviceOptions options = {});
   ~CudaDevice() override; // waits for the copy stream; never throws
 
@@ -46,7 +54,9 @@ public:
   // copies found complete at later calls into this backend (and at destruction).
   void set_copy_observer(CopyObserver observer) override;
   void poison(std::byte* device, std::size_t bytes) override;
+  // Events for ordering only, made with cudaEventDisableTiming; make_timed_event's can be timed.
   std::unique_ptr<Event> make_event() override;
+  std::unique_ptr<Event> make_timed_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
   // cudaLaunchHostFunc: a CUDA thread calls `until` and the stream waits for it to return.

@@ -41,6 +41,10 @@ struct DeviceOptions {
   // CUDA: the stream blocks are computed on, asked at every use (the LibTorch front end passes
   // torch's current stream); empty = the legacy default stream.
   std::function<CUstream_st*()> compute_stream = nullptr;
+  // CUDA: gives back the device memory another allocator of this process keeps cached, and
+  // says what it still holds, when a slot does not fit (CudaDeviceOptions::
+  // release_cached_memory; the LibTorch front end passes torch's emptyCache); empty = none.
+  std::function<std::string()> release_cached_memory = nullptr;
 };
 
 // Bytes that move between host and device and are not block weights: the activations the

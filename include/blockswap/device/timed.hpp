@@ -73,6 +73,7 @@ public:
   void set_copy_observer(CopyObserver observer) override;
   void poison(std::byte* device, std::size_t bytes) override; // nothing to poison
   std::unique_ptr<Event> make_event() override;
+  std::unique_ptr<Event> make_timed_event() override;
   void record(Event& event, Stream stream) override;
   void wait(Stream stream, const Event& event) override;
   void synchronize(const Event& event) override;

@@ -2,13 +2,14 @@
 
 #include <cuda_runtime_api.h>
 
-#include <chrono>
 #include <cstdlib>
-#include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <type_traits>
 
+#include "cuda_copy_timer.hpp"
 #include "cuda_handles.hpp"
 
 namespace blockswap {
@@ -22,10 +23,17 @@ void CUDART_CB run_host_function(void* data) {
 
 using cuda::DeviceScope;
 
+// Note [untimed events]
+// make_event's events are for ordering only and are made with cudaEventDisableTiming: the
+// driver takes no timestamp when it records them, and a host that synchronizes on one need not
+// wait for a timestamp write. Only make_timed_event's (the engine's stall timers) and the copy
+// observer's pairs can be timed; elapsed_seconds refuses the others with an Error rather than
+// cudaErrorInvalidResourceHandle.
 class CudaEvent final : public Event {
 public:
-  explicit CudaEvent(int device) : handle(device, /*timing=*/true) {}
+  CudaEvent(int device, bool timed) : handle(device, timed), timing(timed) {}
   cuda::EventHandle handle;
+  bool timing;
   bool recorded = false;
 };
 
@@ -36,29 +44,22 @@ template <typename E> auto& cuda_event(E& event) {
   return *e;
 }
 
-// `then`: what blockswap does about it.
-void warn_pageable_once(std::size_t bytes, cudaError_t error, const char* then) {
-  static std::once_flag once;
+// `why`: what refused; `then`: what blockswap does about it. One warning per `once`.
+void warn_pageable_once(std::once_flag& once, std::size_t bytes, const std::string& why,
+                        const char* then) {
   std::call_once(once, [&] {
-    warn("", detail::concat("WARNING: cannot pin ", bytes, " bytes of host memory (",
-                            cudaGetErrorString(error),
-                            "; ulimit -l, WSL and Windows cap pinning): ", then));
+    warn("", detail::concat("WARNING: cannot pin ", bytes, " bytes of host memory (", why,
+                            "): ", then));
   });
 }
 
-} // namespace
+std::string refused(cudaError_t error) {
+  return detail::concat(cudaGetErrorString(error), "; ulimit -l, WSL and Windows cap pinning");
+}
 
-// Note [timed copies]
-// With a copy observer set, each copy is bracketed by two timing events on the copy stream.
-// A finished copy is reported from the next call that finds its end event complete: its
-// start and end are the events' times after a reference event recorded when the observer was
-// set, whose host time is known (the host waited for it).
-struct TimedCopy {
-  bool to_device = true;
-  std::size_t bytes = 0;
-  int64_t tag = -1;
-  cuda::EventHandle start, end;
-};
+std::once_flag allocated_pageable, shared_pageable;
+
+} // namespace
 
 struct CudaDevice::State {
   CudaDeviceOptions options;
@@ -67,56 +68,7 @@ struct CudaDevice::State {
   std::size_t device_bytes = 0;
   std::size_t peak_device_bytes = 0;
   bool pinned = true;
-  // guarded by `mutex`: the copy observer and the copies it has yet to see
-  CopyObserver observer;
-  cuda::EventHandle reference;
-  std::chrono::steady_clock::time_point reference_time;
-  std::deque<TimedCopy> timed_copies;
-
-  // Enqueues a copy, bracketed by timing events when someone observes copies.
-  void copy_async(void* dst, const void* src, std::size_t bytes, cudaMemcpyKind kind, int64_t tag) {
-    std::unique_lock lock(mutex);
-    if (!observer) {
-      lock.unlock();
-      BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy.get()));
-      return;
-    }
-    TimedCopy timed{kind == cudaMemcpyHostToDevice, bytes, tag,
-                    cuda::EventHandle(options.device, true),
-                    cuda::EventHandle(options.device, true)};
-    BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.start.get(), copy.get()));
-    BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, kind, copy.get()));
-    BLOCKSWAP_CUDA_CHECK(cudaEventRecord(timed.end.get(), copy.get()));
-    timed_copies.push_back(std::move(timed));
-  }
-
-  // Reports the copies that have completed, in order.
-  void report_copies() {
-    std::vector<CopyRecord> done;
-    CopyObserver notify;
-    {
-      std::lock_guard lock(mutex);
-      while (!timed_copies.empty() &&
-             cudaEventQuery(timed_copies.front().end.get()) == cudaSuccess) {
-        const TimedCopy& c = timed_copies.front();
-        float start_ms = 0, end_ms = 0;
-        if (cudaEventElapsedTime(&start_ms, reference.get(), c.start.get()) == cudaSuccess &&
-            cudaEventElapsedTime(&end_ms, reference.get(), c.end.get()) == cudaSuccess) {
-          auto at = [&](float ms) {
-            return reference_time + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                        std::chrono::duration<double, std::milli>(ms));
-          };
-          done.push_back(CopyRecord{c.to_device, c.bytes, c.tag, at(start_ms), at(end_ms)});
-        }
-        timed_copies.pop_front();
-      }
-      cudaGetLastError(); // a query that said "not ready" is not an error
-      notify = observer;
-    }
-    if (notify) {
-      for (const CopyRecord& record : done) notify(record);
-    }
-  }
+  std::optional<cuda::CopyTimer> copies; // Note [timed copies] in cuda_copy_timer.hpp
 
   cudaStream_t compute() const {
     return options.compute_stream ? options.compute_stream() : nullptr;
@@ -137,15 +89,17 @@ CudaDevice::CudaDevice(CudaDeviceOptions options) : state_(std::make_shared<Stat
                   "cuda:", state_->options.device, " does not exist: ", count,
                   " CUDA device(s) present");
   state_->copy = cuda::StreamHandle(state_->options.device);
+  state_->copies.emplace(state_->options.device);
 }
 
 // The copy stream finishes its copies, then goes (StreamHandle::reset logs what fails).
 CudaDevice::~CudaDevice() {
-  state_->copy.reset();
   try {
-    state_->report_copies();
+    DeviceScope scope(state_->options.device);
+    state_->copy.reset();
+    state_->copies->report();
   } catch (const std::exception& e) {
-    warn("", detail::concat("a copy observer failed at shutdown: ", e.what()));
+    warn("", detail::concat("cuda device shutdown: ", e.what()));
   }
 }
 
@@ -154,17 +108,38 @@ std::string CudaDevice::name() const {
 }
 
 // Read-only registration: the pages are the node's shared copy, mapped copy-on-write
-// (core/node_memory.hpp); pinning them for writing would make each process copy them.
+// (core/node_memory.hpp); pinning them for writing would make each process copy them, so where
+// the device cannot register read-only they stay pageable. (Whether a read-only long-term pin
+// of a copy-on-write page still makes the kernel copy it is measured on a GPU:
+// node_sharing_cuda_test, Note [pinning shares].)
 Buffer CudaDevice::pin_host(std::byte* data, std::size_t bytes) {
   DeviceScope scope(state_->options.device);
+  const char* const then =
+      "the node-shared weights stay pageable; each copy from them makes the host wait for the "
+      "copy stream";
+  auto pageable = [&](const std::string& why) {
+    warn_pageable_once(shared_pageable, bytes, why, then);
+    std::lock_guard lock(state_->mutex);
+    state_->pinned = false;
+    return Buffer();
+  };
+  int read_only = 0;
+  if (cudaDeviceGetAttribute(&read_only, cudaDevAttrHostRegisterReadOnlySupported,
+                             state_->options.device) != cudaSuccess) {
+    cudaGetLastError();
+    read_only = 0;
+  }
+  if (read_only == 0) {
+    return pageable(detail::concat("cuda:", state_->options.device,
+                                   " cannot register host memory read-only "
+                                   "(cudaDevAttrHostRegisterReadOnlySupported is 0), and "
+                                   "registering it for writing would copy every page"));
+  }
   const cudaError_t error =
       cudaHostRegister(data, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
   if (error != cudaSuccess) {
     cudaGetLastError();
-    warn_pageable_once(bytes, error,
-                       "the node-shared weights stay pageable; each copy from them makes the "
-                       "host wait for the copy stream");
-    return {};
+    return pageable(detail::concat("cudaHostRegister, read-only: ", refused(error)));
   }
   return Buffer(data, bytes,
                 [](std::byte* p, std::size_t) { BLOCKSWAP_CUDA_LOG(cudaHostUnregister(p)); });
@@ -191,7 +166,7 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
     });
   }
   cudaGetLastError();
-  warn_pageable_once(bytes, error,
+  warn_pageable_once(allocated_pageable, bytes, refused(error),
                      "using pageable memory; the engine stages loads from it through a few "
                      "pinned buffers");
   {
@@ -203,19 +178,52 @@ Buffer CudaDevice::allocate_host(std::size_t bytes) {
       Buffer::Pinning::pageable);
 }
 
+// Note [slots beside torch's allocator]
+// Slots come from cudaMalloc, not from torch's caching allocator. What that costs: torch's
+// memory_allocated() does not count them (blockswap reports them: memory(), Stats), and memory
+// torch keeps cached is not theirs to take; so on cudaErrorMemoryAllocation the owner of that
+// cache is asked to give it back (CudaDeviceOptions::release_cached_memory: the LibTorch front
+// end empties torch's cache) and the allocation is tried once more. Why not raw_alloc from
+// torch's allocator: (1) cudaFree synchronizes the device, which is what lets a slot go while
+// the copy stream or a compute stream may still touch it; raw_delete returns the block to the
+// allocation stream's pool at once, and recordStream, which would hold it for the other
+// streams' work, takes only allocate()'s DataPtr (c10/cuda/CUDACachingAllocator.h, 2.7-2.14):
+// every release would need its own events or a device synchronize; (2) a slot lives as long as
+// its offloader and is as large as a block: carved out of a segment of torch's pool, it keeps
+// that whole segment from emptyCache and fragments the pool torch's own tensors come from,
+// while outside it torch's OOM path sees it as memory in use, which it is; (3) core and
+// device stay free of torch (DESIGN.md, section 3), and the CUDA backend runs without torch
+// (the C++ API, the blockswap tool's emulated and GPU paths).
 Buffer CudaDevice::allocate_device(std::size_t bytes) {
   DeviceScope scope(state_->options.device);
   void* data = nullptr;
-  const cudaError_t error = cudaMalloc(&data, std::max<std::size_t>(bytes, 1));
+  const std::size_t size = std::max<std::size_t>(bytes, 1);
+  cudaError_t error = cudaMalloc(&data, size);
+  std::string others; // what the release hook says the other allocator holds
+  if (error == cudaErrorMemoryAllocation && state_->options.release_cached_memory) {
+    cudaGetLastError();
+    try {
+      others = state_->options.release_cached_memory();
+    } catch (const std::exception& e) { // still an OutOfMemory, which says so
+      others = detail::concat("releasing it failed: ", e.what());
+    }
+    error = cudaMalloc(&data, size);
+  }
   if (error == cudaErrorMemoryAllocation) {
     cudaGetLastError();
     std::size_t free_bytes = 0, total_bytes = 0;
     cudaMemGetInfo(&free_bytes, &total_bytes);
     std::lock_guard lock(state_->mutex);
-    throw OutOfMemory(detail::concat("cuda:", state_->options.device,
-                                     " out of memory: cannot allocate ", bytes, " bytes with ",
-                                     free_bytes, " of ", total_bytes, " bytes free (",
-                                     state_->device_bytes, " held by blockswap)"));
+    const std::size_t used = total_bytes - std::min(free_bytes, total_bytes);
+    throw OutOfMemory(detail::concat(
+        "cuda:", state_->options.device, " out of memory: cannot allocate ", bytes, " bytes with ",
+        free_bytes, " of ", total_bytes, " bytes free (", state_->device_bytes,
+        " held by blockswap; ", used - std::min(used, state_->device_bytes),
+        " by the rest of this process and others",
+        others.empty()
+            ? std::string()
+            : detail::concat(", after releasing cached memory and trying again: ", others),
+        ")"));
   }
   BLOCKSWAP_CUDA_CHECK(error);
   {
@@ -233,41 +241,49 @@ Buffer CudaDevice::allocate_device(std::size_t bytes) {
                 });
 }
 
+// Note [device scope]
+// Every call that enqueues, records or waits runs with this backend's device current: the
+// legacy default stream (a compute stream of nullptr), cudaMemsetAsync and the events all
+// belong to the current device, and the caller's thread may have another one current
+// (torch.cuda.set_device(1) with an offloader on cuda:0). DeviceScope costs a cudaGetDevice
+// where the device is current already.
 void CudaDevice::copy_to_device(std::byte* device, const std::byte* host, std::size_t bytes,
                                 int64_t tag) {
-  state_->copy_async(device, host, bytes, cudaMemcpyHostToDevice, tag);
+  DeviceScope scope(state_->options.device);
+  state_->copies->copy_async(device, host, bytes, cudaMemcpyHostToDevice, tag, state_->copy.get());
 }
 
 void CudaDevice::copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                               int64_t tag) {
-  state_->copy_async(host, device, bytes, cudaMemcpyDeviceToHost, tag);
+  DeviceScope scope(state_->options.device);
+  state_->copies->copy_async(host, device, bytes, cudaMemcpyDeviceToHost, tag, state_->copy.get());
 }
 
 void CudaDevice::set_copy_observer(CopyObserver observer) {
-  state_->report_copies(); // the copies of the observer before
-  std::lock_guard lock(state_->mutex);
-  state_->observer = std::move(observer);
-  state_->timed_copies.clear();
-  if (!state_->observer) return;
-  // The reference point: recorded on the copy stream and waited for, so its host time is now.
-  if (!state_->reference) state_->reference = cuda::EventHandle(state_->options.device, true);
-  BLOCKSWAP_CUDA_CHECK(cudaEventRecord(state_->reference.get(), state_->copy.get()));
-  BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(state_->reference.get()));
-  state_->reference_time = std::chrono::steady_clock::now();
+  DeviceScope scope(state_->options.device);
+  state_->copies->observe(std::move(observer), state_->copy.get());
 }
 
 void CudaDevice::poison(std::byte* device, std::size_t bytes) {
   // 0xFF bytes are NaN in float32, float16 and bfloat16. A device memset runs at device memory
   // speed, far above the link's.
-  if (bytes > 0) BLOCKSWAP_CUDA_CHECK(cudaMemsetAsync(device, 0xFF, bytes, state_->copy.get()));
+  if (bytes == 0) return;
+  DeviceScope scope(state_->options.device);
+  BLOCKSWAP_CUDA_CHECK(cudaMemsetAsync(device, 0xFF, bytes, state_->copy.get()));
 }
 
+// Note [untimed events]
 std::unique_ptr<Event> CudaDevice::make_event() {
-  return std::make_unique<CudaEvent>(state_->options.device);
+  return std::make_unique<CudaEvent>(state_->options.device, false);
+}
+
+std::unique_ptr<Event> CudaDevice::make_timed_event() {
+  return std::make_unique<CudaEvent>(state_->options.device, true);
 }
 
 void CudaDevice::record(Event& event, Stream stream) {
-  if (stream == Stream::copy) state_->report_copies();
+  DeviceScope scope(state_->options.device);
+  if (stream == Stream::copy) state_->copies->report();
   CudaEvent& e = cuda_event(event);
   BLOCKSWAP_CUDA_CHECK(cudaEventRecord(e.handle.get(), state_->stream(stream)));
   e.recorded = true;
@@ -276,6 +292,7 @@ void CudaDevice::record(Event& event, Stream stream) {
 void CudaDevice::wait(Stream stream, const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
+  DeviceScope scope(state_->options.device);
   BLOCKSWAP_CUDA_CHECK(cudaStreamWaitEvent(state_->stream(stream), e.handle.get(), 0));
 }
 
@@ -287,6 +304,7 @@ void CudaDevice::wait(Stream stream, const Event& event) {
 // (blockswap enqueues none elsewhere). It owns its std::function and frees it.
 void CudaDevice::wait_host(Stream stream, std::function<void()> until) {
   auto call = std::make_unique<std::function<void()>>(std::move(until));
+  DeviceScope scope(state_->options.device);
   BLOCKSWAP_CUDA_CHECK(cudaLaunchHostFunc(state_->stream(stream), &run_host_function, call.get()));
   call.release(); // run_host_function frees it
 }
@@ -294,14 +312,19 @@ void CudaDevice::wait_host(Stream stream, std::function<void()> until) {
 void CudaDevice::synchronize(const Event& event) {
   const CudaEvent& e = cuda_event(event);
   if (!e.recorded) return;
+  DeviceScope scope(state_->options.device);
   BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(e.handle.get()));
-  state_->report_copies();
+  state_->copies->report();
 }
 
 std::optional<double> CudaDevice::elapsed_seconds(const Event& start, const Event& end) const {
   const CudaEvent& a = cuda_event(start);
   const CudaEvent& b = cuda_event(end);
+  BLOCKSWAP_CHECK(a.timing && b.timing, "cuda:", state_->options.device,
+                  ": elapsed_seconds needs events from make_timed_event; make_event's are made "
+                  "without timing (Note [untimed events])");
   if (!a.recorded || !b.recorded) return std::nullopt;
+  DeviceScope scope(state_->options.device);
   if (cudaEventQuery(b.handle.get()) != cudaSuccess ||
       cudaEventQuery(a.handle.get()) != cudaSuccess) {
     cudaGetLastError(); // "not ready" is an answer, not an error

@@ -11,19 +11,27 @@
 
 namespace blockswap::cuda {
 
-// Makes `device` current for the scope; the previous device comes back afterwards.
+// Makes `device` current for the scope; the previous device comes back afterwards. Cheap where
+// `device` is current already (the usual case): one cudaGetDevice, a read of the runtime's
+// per-thread state; cudaSetDevice runs only to switch, and to switch back.
 class DeviceScope {
 public:
   explicit DeviceScope(int device) {
     BLOCKSWAP_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) BLOCKSWAP_CUDA_CHECK(cudaSetDevice(device));
+    if (previous_ != device) {
+      BLOCKSWAP_CUDA_CHECK(cudaSetDevice(device));
+      switched_ = true;
+    }
   }
-  ~DeviceScope() { BLOCKSWAP_CUDA_LOG(cudaSetDevice(previous_)); }
+  ~DeviceScope() {
+    if (switched_) BLOCKSWAP_CUDA_LOG(cudaSetDevice(previous_));
+  }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
 
 private:
   int previous_ = 0;
+  bool switched_ = false;
 };
 
 // A non-blocking stream on one device.

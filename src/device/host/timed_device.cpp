@@ -29,8 +29,9 @@ struct Mark {
 
 class TimedEvent final : public Event {
 public:
-  explicit TimedEvent(uint64_t maker) : device(maker) {}
+  TimedEvent(uint64_t maker, bool timed) : device(maker), timing(timed) {}
   uint64_t device; // the id of the TimedDevice that made it
+  bool timing;     // made by make_timed_event: elapsed_seconds may time it
   std::shared_ptr<Mark> mark = std::make_shared<Mark>(Mark{true, 0});
 };
 
@@ -435,7 +436,11 @@ void TimedDevice::set_copy_observer(CopyObserver observer) {
 void TimedDevice::poison(std::byte*, std::size_t) {}
 
 std::unique_ptr<Event> TimedDevice::make_event() {
-  return std::make_unique<TimedEvent>(state_->id);
+  return std::make_unique<TimedEvent>(state_->id, false);
+}
+
+std::unique_ptr<Event> TimedDevice::make_timed_event() {
+  return std::make_unique<TimedEvent>(state_->id, true);
 }
 
 void TimedDevice::record(Event& event, Stream stream) {
@@ -458,8 +463,14 @@ void TimedDevice::synchronize(const Event& event) {
   state_->wait_for(timed(event, state_->id).mark);
 }
 
+// Untimed events are refused as CUDA refuses them (cudaEventDisableTiming), so that a caller
+// that forgets make_timed_event fails here, on the CPU, and not first on a GPU.
 std::optional<double> TimedDevice::elapsed_seconds(const Event& start, const Event& end) const {
-  const std::shared_ptr<Mark> a = timed(start, state_->id).mark, b = timed(end, state_->id).mark;
+  const TimedEvent &first = timed(start, state_->id), &last = timed(end, state_->id);
+  BLOCKSWAP_CHECK(first.timing && last.timing,
+                  "timed device: elapsed_seconds needs events from make_timed_event; make_event's "
+                  "cannot be timed");
+  const std::shared_ptr<Mark> a = first.mark, b = last.mark;
   std::lock_guard lock(state_->mutex);
   if (!a->done || !b->done) {
     state_->wake_streams(); // so that a later call finds them done
@@ -499,7 +510,7 @@ double TimedDevice::finish() {
 // stream; the copy back waits for the copy out and for the compute stream's work so far (the
 // memory it fills was allocated there).
 std::unique_ptr<Event> TimedDevice::copy_out_after_compute(std::size_t bytes) {
-  auto computed = std::make_unique<TimedEvent>(state_->id);
+  auto computed = std::make_unique<TimedEvent>(state_->id, true);
   record(*computed, Stream::compute);
   const int s = state_->options.link.duplex ? State::kActivationsOut : 1;
   Task wait;
@@ -514,7 +525,7 @@ std::unique_ptr<Event> TimedDevice::copy_out_after_compute(std::size_t bytes) {
   copy.activations = true;
   copy.bytes = bytes;
   state_->enqueue_on(s, std::move(copy));
-  auto done = std::make_unique<TimedEvent>(state_->id);
+  auto done = std::make_unique<TimedEvent>(state_->id, true);
   done->mark = std::make_shared<Mark>();
   Task record_done;
   record_done.kind = Task::Kind::record;
@@ -524,7 +535,7 @@ std::unique_ptr<Event> TimedDevice::copy_out_after_compute(std::size_t bytes) {
 }
 
 std::unique_ptr<Event> TimedDevice::copy_in_after(std::size_t bytes, const Event& out) {
-  TimedEvent computed(state_->id);
+  TimedEvent computed(state_->id, true);
   record(computed, Stream::compute);
   wait(Stream::copy, computed);
   wait(Stream::copy, out);
