@@ -25,10 +25,11 @@ _C = _compat.load_extension()
 
 from ._activations import saved_activation_bytes  # noqa: E402
 from ._distributed import node_memory_use  # noqa: E402
+from ._offload import Offloaded, offload, plan_offload  # noqa: E402
 from ._offloader import ModelOffloader, open_device  # noqa: E402
 from ._optim import FusedAdamW, FusedSGD  # noqa: E402
 
-__all__ = ["ModelOffloader", "Device", "open_device", "Error", "InvalidArgumentError",
+__all__ = ["offload", "plan_offload", "Offloaded", "ModelOffloader", "Device", "open_device", "Error", "InvalidArgumentError",
            "OutOfMemoryError", "FusedSGD", "FusedAdamW", "node_memory_use",
            "saved_activation_bytes"]
 

@@ -22,6 +22,7 @@ namespace py = pybind11;
 namespace blockswap {
 
 void bind_activations(py::module_& m); // activations.cpp
+void bind_planner(py::module_& m);     // planner.cpp
 
 namespace {
 
@@ -178,6 +179,7 @@ PYBIND11_MODULE(_C, m) {
   });
   m.def("cuda_available", &cuda_available);
   bind_activations(m);
+  bind_planner(m);
   m.def("max_blocks_to_swap", [](int64_t n, bool training) {
     return Schedule::max_blocks_to_swap(n, training ? Mode::training : Mode::forward_only);
   });

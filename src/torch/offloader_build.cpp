@@ -252,6 +252,17 @@ std::vector<std::size_t> packed_block_bytes(const BlockList& blocks, c10::Device
   return bytes;
 }
 
+std::vector<std::size_t> packed_block_bytes(const std::vector<TensorBlock>& blocks,
+                                            c10::Device device) {
+  torch_frontend::PackingRules rules;
+  rules.sizes_only = true;
+  std::vector<std::size_t> bytes;
+  for (const BlockLayout& layout : torch_frontend::layout_blocks(blocks, "blocks", device, rules)) {
+    bytes.push_back(layout.bytes);
+  }
+  return bytes;
+}
+
 SwapPlan plan_block_lists(const std::vector<BlockList>& lists, std::size_t budget_bytes, Mode mode,
                           c10::Device device) {
   std::vector<std::vector<std::size_t>> bytes;

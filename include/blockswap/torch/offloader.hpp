@@ -46,6 +46,11 @@ struct TensorBlock {
 std::vector<std::size_t> packed_block_bytes(const BlockList& blocks,
                                             c10::Device device = c10::kCPU);
 
+// The same for blocks given as their tensors, which may be on the meta device (only shapes and
+// dtypes count): planning a model before its weights are loaded.
+std::vector<std::size_t> packed_block_bytes(const std::vector<TensorBlock>& blocks,
+                                            c10::Device device = c10::kCPU);
+
 // K for each of a model's block lists on one device (FLUX: double and single blocks), so that
 // all their slots fit `budget_bytes` together and the fewest bytes move per step: the search
 // `blockswap plan` runs on a file, here on the live modules. Pass plan.lists[i].blocks_to_swap
