@@ -1,13 +1,11 @@
 """diffusers pipelines from tiny configs (those of diffusers' own pipeline tests), random
 weights, with word-level tokenizers made here (no download): FLUX (CLIP and T5 text encoders)
-and Wan (UMT5)."""
+and Wan (UMT5). bench/python/pipeline_bench.py imports it too, where pytest may be missing."""
 
-import pytest
+import diffusers
+import tokenizers
 import torch
-
-diffusers = pytest.importorskip("diffusers")
-transformers = pytest.importorskip("transformers")
-tokenizers = pytest.importorskip("tokenizers")
+import transformers
 
 WORDS = ["<pad>", "</s>", "<unk>", "a", "cat", "on", "the", "moon", "red", "dog", "runs"]
 PROMPT = "a red cat on the moon"
