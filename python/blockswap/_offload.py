@@ -141,12 +141,16 @@ class Offloaded:
         self._hooks = []
         self._closed = False
         streamed = [x for x in plan.lists if x.blocks_to_swap > 0]
-        slots = sum(x.device_bytes for x in streamed)
+        # The Device's budget: what the fixed parts and the lists kept whole leave (at least
+        # the streamed lists' slots; the rest is there for what else it allocates, such as
+        # the activations' device buffers).
+        left = 0 if plan.budget_bytes is None else plan.budget_bytes - plan.fixed_bytes - sum(
+            x.device_bytes for x in plan.lists if x.blocks_to_swap == 0)
         options = dict(options)
         link = options.pop("emulated_link_gbps", 0.0)
         capacity = options.pop("emulated_capacity_bytes", 0)
-        self.device = open_device(device, budget_bytes=slots if plan.budget_bytes else 0,
-                                  link_gbps=link, capacity_bytes=capacity)
+        self.device = open_device(device, budget_bytes=max(left, 0), link_gbps=link,
+                                  capacity_bytes=capacity)
         try:
             for x in streamed:
                 self.offloaders[x.name] = ModelOffloader(

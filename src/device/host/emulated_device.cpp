@@ -12,6 +12,8 @@
 #include <mutex>
 #include <thread>
 
+#include <unistd.h>
+
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
@@ -212,6 +214,14 @@ std::string EmulatedDevice::name() const {
 }
 
 Buffer EmulatedDevice::allocate_host(std::size_t bytes) {
+  // More than the machine's memory is refused before asking: the sanitizers' allocators abort
+  // on such a request where the system's returns null.
+  static const std::size_t physical = static_cast<std::size_t>(::sysconf(_SC_PHYS_PAGES)) *
+                                      static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  if (bytes > physical) {
+    throw Error(detail::concat("cannot allocate ", bytes, " bytes of host memory: the machine has ",
+                               physical));
+  }
   const std::size_t size = layout::align_up(std::max<std::size_t>(bytes, 1));
   auto* data = static_cast<std::byte*>(std::aligned_alloc(kAlignment, size));
   if (data == nullptr)
