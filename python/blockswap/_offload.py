@@ -15,10 +15,11 @@ an ordinary host tensor, and each tensor offload moved goes back to the device i
 
 import inspect as _inspect
 import os as _os
+import weakref as _weakref
 
 import torch as _torch
 
-from . import _compat, _plan
+from . import _compat, _hooks, _module_casts, _plan
 from ._offloader import ModelOffloader, _device_name, open_device
 
 _C = _compat.load_extension()
@@ -116,9 +117,10 @@ def offload(target, device_budget=None, *, device=None, blocks_to_swap=None,
 
 
 def plan_offload(target, device_budget=None, *, device=None, blocks_to_swap=None,
-                 supports_backward=None, block_lists=None):
-    """The plan ``offload`` would follow (``str()`` of it says it), changing nothing; the
-    weights may be on the meta device."""
+                 supports_backward=None, block_lists=None, **options):
+    """The plan ``offload`` would follow with the same arguments (``str()`` of it says it),
+    changing nothing; the weights may be on the meta device, the model offloaded already."""
+    _check_options(options)
     device = _default_device(device)
     training = _training(target, supports_backward)
     frozen = _Frozen(target, training)
@@ -140,6 +142,12 @@ class Offloaded:
         self._moved = []  # (module, "_parameters" or "_buffers", key, original device)
         self._hooks = []
         self._closed = False
+        for x in plan.lists:
+            held = next((o for o in map(_module_casts.holder, x.blocks) if o is not None), None)
+            if held is not None:
+                raise _C.Error(f"[{x.name}] these blocks are already managed by another "
+                               f"ModelOffloader ('{held.block_type}'): close it, or the handle "
+                               "of the blockswap.offload that made it, first")
         streamed = [x for x in plan.lists if x.blocks_to_swap > 0]
         # The Device's budget: what the fixed parts and the lists kept whole leave (at least
         # the streamed lists' slots; the rest is there for what else it allocates, such as
@@ -162,15 +170,25 @@ class Offloaded:
             for component, module in _plan._components(target):
                 mine = [self.offloaders[x.name] for x in streamed if x.component == component]
                 if mine:
-                    self._hooks.append(module.register_forward_pre_hook(_Prepare(mine)))
+                    self._hooks.append(module.register_forward_pre_hook(_Prepare(module, mine)))
         except BaseException:
             self.close()
             raise
 
     def _place(self, components, streamed, device):
         """Every tensor outside the streamed lists to the device (Note [what offload
-        places])."""
-        for m in _plan.outside_lists(components, streamed):
+        places]); none when one of them is on the meta device."""
+        modules = list(_plan.outside_lists(components, streamed))
+        for m in modules:
+            for kind in ("_parameters", "_buffers"):
+                for key, t in getattr(m, kind).items():
+                    if t is not None and t.is_meta:
+                        raise InvalidArgumentError(
+                            f"blockswap.offload: {kind[1:-1]} '{key}' of a "
+                            f"{type(m).__name__} that stays on the device is on the meta "
+                            "device (it holds no values): load the model's weights first; only "
+                            "the frozen weights of swapped blocks can come from weights_file")
+        for m in modules:
             for kind in ("_parameters", "_buffers"):
                 for key, t in getattr(m, kind).items():
                     if t is None or t.device == device:
@@ -182,10 +200,8 @@ class Offloaded:
                         m._buffers[key] = t.to(device)
 
     def stats(self):
-        """Each offloader's stats() by list name, and the Device's memory()."""
-        result = {name: o.stats() for name, o in self.offloaders.items()}
-        result["device"] = self.device.memory()
-        return result
+        """Each offloader's stats() by list name (the Device's memory: ``device.memory()``)."""
+        return {name: o.stats() for name, o in self.offloaders.items()}
 
     def close(self):
         """Undoes everything: the model runs plain, where it was. Safe to call twice."""
@@ -219,14 +235,27 @@ class Offloaded:
 
 
 class _Prepare:
-    """A forward pre-hook: the component's offloaders ready for a pass."""
+    """A forward pre-hook: the component's offloaders ready for a pass. Inert in a copy or a
+    pickle of the model, as blockswap's block hooks are (Note [hooks in copies], _hooks.py)."""
+    __slots__ = ("_module", "_offloaders")
 
-    def __init__(self, offloaders):
-        self.offloaders = offloaders
+    def __init__(self, module, offloaders):
+        self._module = _weakref.ref(module)
+        self._offloaders = [_weakref.ref(o) for o in offloaders]
 
     def __call__(self, module, args):
-        for o in self.offloaders:
-            o.prepare_block_devices_before_forward()
+        if module is not self._module():
+            return
+        for ref in self._offloaders:
+            o = ref()
+            if o is not None and o._impl is not None:
+                o.prepare_block_devices_before_forward()
+
+    def __deepcopy__(self, memo):
+        return _hooks.inert
+
+    def __reduce__(self):
+        return _hooks._inert, ()
 
 
 def _list_options(options, x, streamed):

@@ -33,7 +33,7 @@ def parse_bytes(name, value):
         if unit is None:
             raise InvalidArgumentError(f"{name}={value!r} is not a size: give bytes (an int) or "
                                        "a number with a unit, such as '24GB' or '22.5GiB'")
-        return int(float(match.group(1)) * unit)
+        return parse_bytes(name, int(float(match.group(1)) * unit))
     if isinstance(value, bool):
         raise InvalidArgumentError(f"{name} must be bytes (an int) or a size such as '24GB', "
                                    f"got {value!r}")
@@ -42,8 +42,9 @@ def parse_bytes(name, value):
     except TypeError:
         raise InvalidArgumentError(f"{name} must be bytes (an int) or a size such as '24GB', "
                                    f"got {value!r}") from None
-    if value <= 0:
-        raise InvalidArgumentError(f"{name} must be more than 0 bytes, got {value}")
+    if value <= 0 or value >= 2**63:
+        raise InvalidArgumentError(f"{name} must be more than 0 bytes and less than 2**63, got "
+                                   f"{value}")
     return value
 
 
@@ -180,11 +181,33 @@ def _chosen_lists(components, block_lists):
     return chosen
 
 
+def _distinct(chosen, named):
+    """The lists, each block in one only. A list found again under another name (an alias
+    ModuleList of the very same blocks) is dropped; a list named twice, or lists that share
+    some of their blocks, are an error."""
+    owner, kept = {}, []  # block id -> the name of the list it is in
+    for component, path, lst in chosen:
+        name = f"{component}.{path}" if component else path
+        ids = {id(b) for b in lst}
+        shared = {owner[i] for i in ids if i in owner}
+        if not shared:
+            kept.append((component, path, lst))
+            owner.update((i, name) for i in ids)
+            continue
+        other = next(iter(shared))
+        alias = len(shared) == 1 and ids == {i for i, n in owner.items() if n == other}
+        if named or not alias:
+            raise InvalidArgumentError(
+                f"block list '{name}' holds blocks of '{other}' too: each block streams in "
+                "one list only; name each list once (block_lists=)")
+    return kept
+
+
 def plan(target, device_budget, device, training, blocks_to_swap, block_lists):
     """The OffloadPlan (changes nothing). The tensors may be on the meta device."""
     components = _components(target)
     budget = None if device_budget is None else parse_bytes("device_budget", device_budget)
-    chosen = _chosen_lists(components, block_lists)
+    chosen = _distinct(_chosen_lists(components, block_lists), block_lists is not None)
     if not chosen:
         raise InvalidArgumentError(
             "blockswap.offload found no block list (a ModuleList of two or more blocks of one "
@@ -200,8 +223,15 @@ def plan(target, device_budget, device, training, blocks_to_swap, block_lists):
                 if id(t) not in seen:
                     seen.add(id(t))
                     fixed += _bytes(t)
+    in_blocks = {id(t): x.name for x in lists for b in x.blocks
+                 for t in (*b.parameters(), *b.buffers())}
     for m in outside_lists(components, chosen):
         for t in list(m._parameters.values()) + list(m._buffers.values()):
+            if t is not None and id(t) in in_blocks:
+                raise InvalidArgumentError(
+                    f"a {type(m).__name__} outside the block lists shares a tensor with a block "
+                    f"of '{in_blocks[id(t)]}': a swapped block's weights are not on the device "
+                    "when the rest runs; untie them, or leave that list out (block_lists=)")
             if t is not None and id(t) not in seen:
                 seen.add(id(t))
                 fixed += _bytes(t)
@@ -261,8 +291,21 @@ def _given_ks(blocks_to_swap, lists):
         if unknown:
             raise InvalidArgumentError(f"blocks_to_swap names {sorted(unknown)}, which are not "
                                        f"block lists here: {[x.name for x in lists]}")
-        return [_operator.index(blocks_to_swap.get(x.name, 0)) for x in lists]
+        if not blocks_to_swap:
+            raise InvalidArgumentError("blocks_to_swap={} names no list: give a K for one or "
+                                       f"more of {[x.name for x in lists]}, or a device_budget")
+        return [_k(f"blocks_to_swap[{x.name!r}]", blocks_to_swap.get(x.name, 0)) for x in lists]
     if len(lists) != 1:
         raise InvalidArgumentError(f"blocks_to_swap={blocks_to_swap!r} for {len(lists)} block "
                                    f"lists: give a dict by list name, {[x.name for x in lists]}")
-    return [_operator.index(blocks_to_swap)]
+    return [_k("blocks_to_swap", blocks_to_swap)]
+
+
+def _k(name, value):
+    """A K: an int (numpy's and torch's too), not a bool."""
+    if isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+    try:
+        return _operator.index(value)
+    except TypeError:
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}") from None

@@ -116,9 +116,10 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
                       " is shared with block ", it->second,
                       ": blocks must own their weights to be swapped");
       if (!inserted) return false; // the same tensor twice inside one block: packed once
-      BLOCKSWAP_CHECK(!claims().tensors.contains(tensor.unsafeGetTensorImpl()), "[", label,
-                      "] tensor '", name, "' of block ", b,
-                      " is already managed by another ModelOffloader; destroy that one first");
+      BLOCKSWAP_CHECK(rules.sizes_only || !claims().tensors.contains(tensor.unsafeGetTensorImpl()),
+                      "[", label, "] tensor '", name, "' of block ", b,
+                      " is already managed by another ModelOffloader; close (or destroy) that one "
+                      "first");
       place(layout, name, tensor, role);
       return true;
     };

@@ -63,8 +63,9 @@ struct PackingRules {
   bool trainable = false;
   std::vector<std::string> state_names;
   bool grad_sum = false;
-  // Sizes only (planning a model before its weights are loaded): meta tensors count by their
-  // shape and dtype. Layouts made so are never packed.
+  // Sizes only (planning a model before its weights are loaded, or while an offloader holds
+  // it): meta tensors count by their shape and dtype, claimed tensors are not refused. Layouts
+  // made so are never packed.
   bool sizes_only = false;
 };
 
