@@ -225,9 +225,16 @@ Located locate_tensor(const Checkpoint& checkpoint, const NameMap& map, const st
                                  ? detail::concat("'", info.name, "' rows [", begin, ", ", end, ")")
                                  : detail::concat("'", info.name, "'");
   if (taken != shape || info.dtype != dtype) {
-    return {std::nullopt, detail::concat("has ", source, " as ", info.dtype, " ", shape_text(taken),
-                                         ", but the module's tensor '", name, "' is ", dtype, " ",
-                                         shape_text(shape))};
+    return {std::nullopt,
+            detail::concat("has ", source, " as ", info.dtype, " ", shape_text(taken),
+                           ", but the module's tensor '", name, "' is ", dtype, " ",
+                           shape_text(shape),
+                           taken != shape ? ": another model's file, or another block list's "
+                                            "(set weights_prefix), or another layout "
+                                            "(weights_layout)"
+                                          : ": the file tier copies the file's bytes as they "
+                                            "are, so the model must have the file's dtypes "
+                                            "(cast after loading is not possible)")};
   }
   const uint64_t row_bytes = rows == 0 ? 0 : info.bytes() / static_cast<uint64_t>(rows);
   const uint64_t offset = found->offset + (sliced ? static_cast<uint64_t>(begin) * row_bytes : 0);
