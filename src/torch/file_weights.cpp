@@ -217,10 +217,10 @@ FileWeights locate_weights(const std::string& path, const std::string& prefix,
     }
     return file;
   }
-  throw Error(
-      detail::concat("[", label, "] weights_file '", path, "' ", furthest.why,
-                     prefix.empty() ? "" : detail::concat(" (weights_prefix '", prefix, "')"),
-                     furthest_said.empty() ? "" : detail::concat(" (", furthest_said, ")")));
+  throw Error(detail::concat(
+      "[", label, "] weights_file '", path, "' ", furthest.why,
+      prefix.empty() ? "" : detail::concat(" (weights_prefix '", prefix, "')"),
+      furthest_said.empty() ? "" : detail::concat(" (through ", furthest_said, ")")));
 }
 
 namespace {

@@ -107,6 +107,7 @@ void ModelOffloader::Impl::build() {
     file_ = torch_frontend::locate_weights(options_.weights_file, options_.weights_prefix,
                                            options_.weights_layout, options_.weights_map,
                                            binder_.layouts_to_locate(), label_);
+    options_.weights_map = nullptr; // a Python map goes now, while its interpreter surely lives
     if (options_.host_budget_bytes) {
       engine_options.file = FileTier{file_->files, file_->blocks, *options_.host_budget_bytes,
                                      options_.staging_buffers, options_.file_reads};
