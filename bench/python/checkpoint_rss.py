@@ -97,17 +97,20 @@ def measure(kind, path, blocks):
     Block = block_module(torch)
     base = rss_mib()
     start = time.perf_counter()
-    if kind == "load_file":  # the plain way: the whole checkpoint in host memory
+    if kind == "load_file":  # the plain way: the model built, its state dict loaded into it
         from safetensors.torch import load_file
-        state = {}
+        with torch.device("meta"):
+            model = torch.nn.ModuleDict({"blocks": torch.nn.ModuleList(
+                [Block() for _ in range(blocks)])})
+        model.to_empty(device="cpu")
         for f in sorted(os.listdir(path)):
             if f.endswith(".safetensors"):
-                state.update(load_file(os.path.join(path, f)))
+                model.load_state_dict(load_file(os.path.join(path, f)), strict=False)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         return {"kind": kind, "baseline_mib": base, "peak_mib": peak,
                 "seconds": time.perf_counter() - start}
     with torch.device("meta"):
-        model = [Block() for _ in range(blocks)]
+        model = [Block().requires_grad_(False) for _ in range(blocks)]
     extra = dict(weights_map=renamed_map) if kind == "renamed" else {}
     offloader = blockswap.ModelOffloader(
         "blocks", model, blocks, blocks - 1, False, "cpu", hook_blocks=True, weights_file=path,
@@ -157,10 +160,11 @@ def main():
         print(f"{'checkpoint':<28} {'file MiB':>9} {'base MiB':>9} {'peak MiB':>9} "
               f"{'peak-base':>10} {'slots MiB':>10} {'read MiB':>9} {'s':>6}")
         for kind, path, file_mib in runs:
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind,
-                                  path, str(blocks)], check=True, capture_output=True,
-                                 text=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", kind,
+                                   path, str(blocks)], capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.exit(f"{kind}: {done.stderr}")
+            r = json.loads(done.stdout.strip().splitlines()[-1])
             label = {"sharded": "sharded (3 shards, index)", "renamed": "renamed (qkv rows, map)",
                      "load_file": "load_file (plain, sharded)"}[kind]
             print(f"{label:<28} {file_mib:>9.0f} {r['baseline_mib']:>9.0f} {r['peak_mib']:>9.0f} "
