@@ -131,6 +131,11 @@ TEST(Checkpoint, BadIndexesAndFoldersAreNamed) {
   EXPECT_NE(
       error_of([&] { open_checkpoint(folder.path.string()); }).find("has no \"weight_map\" object"),
       std::string::npos);
+  write_text(folder / "x.safetensors.index.json", R"({"weight_map": {"w": 3}})");
+  EXPECT_NE(error_of([&] {
+              open_checkpoint(folder.path.string());
+            }).find("gives tensor 'w' the shard 3, not a file name"),
+            std::string::npos);
   fs::remove(folder / "x.safetensors.index.json");
   EXPECT_NE(
       error_of([&] { open_checkpoint(folder.path.string()); }).find("holds no .safetensors file"),
