@@ -77,7 +77,7 @@ int main(int argc, char** argv) {
       ring.push_back(std::make_shared<Buffer>(static_cast<std::byte*>(std::malloc(block)), block,
                                               [](std::byte* p, std::size_t) { std::free(p); }));
     }
-    FileReader reader(path, blocks, ring, "bench", bypass);
+    FileReader reader({path}, blocks, ring, "bench", bypass);
     const int64_t busy_before = busy_ms(path);
     const auto start = std::chrono::steady_clock::now();
     for (int64_t b = 0; b < reader.blocks(); ++b) reader.request(b);

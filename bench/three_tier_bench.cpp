@@ -91,7 +91,7 @@ Row run(const Shape& shape, const std::vector<int64_t>& ks, Mode mode, double ra
     const std::size_t bytes = shape.bytes[l];
     EngineOptions options{.blocks_to_swap = ks[l], .supports_backward = mode == Mode::training};
     options.trainable_bytes.assign(static_cast<std::size_t>(n), 0);
-    options.file = FileTier{"",
+    options.file = FileTier{{},
                             std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
                             budgets[l],
                             link.staging_buffers,

@@ -125,8 +125,14 @@ class ModelOffloader:
 
     The model's file and the file tier (docs/guide.md, "When the model does not fit in host
     memory"): ``weights_file`` (the safetensors file holding the blocks' frozen weights, block
-    i's tensor ``name`` as ``<weights_prefix>i.name``, peft's ``.base_layer`` left out),
+    i's tensor ``name`` as ``<weights_prefix>i.name``, peft's ``.base_layer`` left out; or a
+    sharded checkpoint: its ``*.safetensors.index.json`` or the folder holding it),
     ``weights_prefix`` (``"transformer_blocks."``; empty: found from the file),
+    ``weights_layout`` (how the file names the module's tensors: ``""``/``"auto"``,
+    ``"diffusers"``, ``"flux"``: Black Forest Labs' original FLUX names, to_q/to_k/to_v and
+    proj_mlp read as row slices of qkv and linear1; ComfyUI's ``model.diffusion_model.`` is
+    found in any layout), ``weights_map`` (a dict or a callable from the module's tensor name
+    ``<weights_prefix>i.name`` to the file's name, or to ``(name, (first row, end row))``),
     ``host_budget_bytes`` (this offloader's pinned host memory for the blocks that move, in
     block order, training's first; the
     others are read from the file for each load, and their tensors off the device are views of
@@ -154,7 +160,8 @@ class ModelOffloader:
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
-                 weights_prefix="", weights_from_file=None, host_budget_bytes=None,
+                 weights_prefix="", weights_layout="", weights_map=None,
+                 weights_from_file=None, host_budget_bytes=None,
                  staging_buffers=2, file_reads="direct", offload_activations=False,
                  activation_threshold_bytes=_activations.DEFAULT_THRESHOLD_BYTES,
                  ring_size=None, use_pinned_memory=None):
@@ -172,6 +179,7 @@ class ModelOffloader:
                                 step_on=step_on, process_group=process_group,
                                 hook_blocks=hook_blocks, weights_file=weights_file,
                                 weights_prefix=weights_prefix,
+                                weights_layout=weights_layout, weights_map=weights_map,
                                 weights_from_file=weights_from_file,
                                 host_budget_bytes=host_budget_bytes,
                                 staging_buffers=staging_buffers, file_reads=file_reads,
@@ -233,7 +241,8 @@ class ModelOffloader:
             gradient_accumulation_steps=gradient_accumulation_steps,
             max_grad_norm_per_parameter=max_grad_norm_per_parameter, step_on=step_on,
             clip_as_python=True, weights_file=_path(block_type, weights_file),
-            weights_prefix=weights_prefix, weights_from_file=bool(weights_from_file),
+            weights_prefix=weights_prefix, weights_layout=weights_layout,
+            weights_map=weights_map, weights_from_file=bool(weights_from_file),
             host_budget_bytes=host_budget_bytes, staging_buffers=staging_buffers,
             file_reads=file_reads)
         if optimizer is not None:
@@ -355,7 +364,14 @@ class ModelOffloader:
             default = getattr(options, name)
             if name == "host_budget_bytes":
                 value = None if value is None else _integer(where, name, value)
-            elif name in ("weights_file", "weights_prefix", "file_reads"):
+            elif name == "weights_map":
+                if isinstance(value, dict):
+                    value = dict(value).get  # a name it lacks: None, named by the C++ side
+                elif value is not None and not callable(value):
+                    raise InvalidArgumentError(f"{where}weights_map must be a dict or a callable "
+                                               f"(the module's tensor name -> the file's), got "
+                                               f"{value!r}")
+            elif name in ("weights_file", "weights_prefix", "weights_layout", "file_reads"):
                 if not isinstance(value, str):
                     raise InvalidArgumentError(f"{where}{name} must be a str, got {value!r}")
             elif name == "shared_device":

@@ -102,6 +102,42 @@ make_offloader(std::string block_type,
   return offloader;
 }
 
+// A Python name map (Options::weights_map): a callable from the module's tensor name to the
+// file's name, (name, (first row, end row)), or None. It is called while the offloader is built,
+// with the GIL released there: taken again for each call, and for the callable's last release
+// (the offloader drops its map once built).
+NameMap weights_map_from(const py::object& map) {
+  if (map.is_none()) return {};
+  BLOCKSWAP_CHECK_ARGUMENT(PyCallable_Check(map.ptr()),
+                           "weights_map must be a dict or a callable, got ",
+                           py::repr(map).cast<std::string>());
+  const std::shared_ptr<py::object> held(new py::object(map), [](py::object* p) {
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [held](const std::string& name) -> std::optional<FileSlice> {
+    py::gil_scoped_acquire gil;
+    const py::object got = (*held)(name);
+    if (got.is_none()) return std::nullopt;
+    if (py::isinstance<py::str>(got)) return FileSlice{got.cast<std::string>()};
+    if (py::isinstance<py::tuple>(got) && py::len(got) == 2 &&
+        py::isinstance<py::str>(got[py::int_(0)])) {
+      const py::object rows = got[py::int_(1)];
+      if ((py::isinstance<py::tuple>(rows) || py::isinstance<py::list>(rows)) &&
+          py::len(rows) == 2) {
+        try {
+          return FileSlice{got[py::int_(0)].cast<std::string>(), rows[py::int_(0)].cast<int64_t>(),
+                           rows[py::int_(1)].cast<int64_t>()};
+        } catch (const py::cast_error&) {
+        }
+      }
+    }
+    throw InvalidArgument(detail::concat(
+        "weights_map gave ", py::repr(got).cast<std::string>(), " for '", name,
+        "': give the file's tensor name, (name, (first row, end row)) for rows of it, or None"));
+  };
+}
+
 StepOn step_on_from(const std::string& name) {
   BLOCKSWAP_CHECK_ARGUMENT(name == "auto" || name == "device" || name == "host",
                            "step_on must be 'auto', 'device' or 'host', got '", name, "'");
@@ -216,6 +252,10 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("weights_file", &Options::weights_file)
       .def_readwrite("weights_prefix", &Options::weights_prefix)
       .def_readwrite("weights_from_file", &Options::weights_from_file)
+      .def_readwrite("weights_layout", &Options::weights_layout)
+      .def_property(
+          "weights_map", [](const Options& o) { return static_cast<bool>(o.weights_map); },
+          [](Options& o, const py::object& map) { o.weights_map = weights_map_from(map); })
       .def_property(
           "host_budget_bytes",
           [](const Options& o) -> py::object {

@@ -55,47 +55,58 @@ int64_t ns(const struct timespec& t) {
   return static_cast<int64_t>(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
 }
 
-// Each block's ranges in file order, as parts_of and read_block walk them.
+// Each block's ranges in file order (file by file), as parts_of and read walk them.
 std::vector<FileBlock> in_file_order(std::vector<FileBlock> blocks) {
   for (FileBlock& b : blocks) {
-    std::sort(b.ranges.begin(), b.ranges.end(),
-              [](const FileRange& x, const FileRange& y) { return x.file_offset < y.file_offset; });
+    std::sort(b.ranges.begin(), b.ranges.end(), [](const FileRange& x, const FileRange& y) {
+      return x.file != y.file ? x.file < y.file : x.file_offset < y.file_offset;
+    });
   }
   return blocks;
 }
 
 } // namespace
 
-FileSource::FileSource(std::string path, std::vector<FileBlock> blocks, std::string label,
-                       CacheBypass bypass)
-    : path_(std::move(path)), label_(std::move(label)), blocks_(in_file_order(std::move(blocks))) {
+void FileSource::open(std::string path, CacheBypass bypass) {
+  Opened file{std::move(path)};
   if (bypass == CacheBypass::direct) {
-    fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);
-    direct_ = fd_ >= 0;
+    file.fd = ::open(file.path.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NONBLOCK);
+    file.direct = file.fd >= 0;
   }
   // O_NONBLOCK: opening a FIFO would wait for a writer; regular files read as without it.
-  if (fd_ < 0) fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  BLOCKSWAP_CHECK(fd_ >= 0, "[", label_, "] cannot open '", path_, "': ", std::strerror(errno));
+  if (file.fd < 0) file.fd = ::open(file.path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  BLOCKSWAP_CHECK(file.fd >= 0, "[", label_, "] cannot open '", file.path,
+                  "': ", std::strerror(errno));
   struct stat s {};
-  const bool stated = ::fstat(fd_, &s) == 0;
+  const bool stated = ::fstat(file.fd, &s) == 0;
   if (!stated || !S_ISREG(s.st_mode)) {
     const int error = stated ? 0 : errno;
-    ::close(fd_);
-    throw Error(detail::concat("[", label_, "] cannot read blocks from '", path_,
+    ::close(file.fd);
+    throw Error(detail::concat("[", label_, "] cannot read blocks from '", file.path,
                                "': ", error != 0 ? std::strerror(error) : "not a regular file"));
   }
-  size_ = static_cast<uint64_t>(s.st_size);
-  modified_ns_ = ns(s.st_mtim);
-  changed_ns_ = ns(s.st_ctim);
+  file.size = static_cast<uint64_t>(s.st_size);
+  file.modified_ns = ns(s.st_mtim);
+  file.changed_ns = ns(s.st_ctim);
+  files_.push_back(std::move(file));
+}
+
+FileSource::FileSource(std::vector<std::string> files, std::vector<FileBlock> blocks,
+                       std::string label, CacheBypass bypass)
+    : label_(std::move(label)), blocks_(in_file_order(std::move(blocks))) {
   try {
+    for (std::string& path : files) open(std::move(path), bypass);
     for (std::size_t b = 0; b < blocks_.size(); ++b) {
       for (const FileRange& r : blocks_[b].ranges) {
-        BLOCKSWAP_CHECK(r.file_offset <= size_ && r.bytes <= size_ - r.file_offset, "[", label_,
+        BLOCKSWAP_CHECK(r.file < files_.size(), "[", label_, "] block ", b, " needs file ", r.file,
+                        " of ", files_.size(), " given");
+        const Opened& f = files_[r.file];
+        BLOCKSWAP_CHECK(r.file_offset <= f.size && r.bytes <= f.size - r.file_offset, "[", label_,
                         "] block ", b, " needs bytes ", r.file_offset, " to ",
-                        r.file_offset + r.bytes, " of '", path_, "', which has ", size_);
+                        r.file_offset + r.bytes, " of '", f.path, "', which has ", f.size);
         BLOCKSWAP_CHECK(r.to <= blocks_[b].bytes && r.bytes <= blocks_[b].bytes - r.to, "[", label_,
                         "] block ", b, ": a range of ", r.bytes, " bytes at ", r.to,
-                        " does not fit its ", blocks_[b].bytes, " packed bytes (reading '", path_,
+                        " does not fit its ", blocks_[b].bytes, " packed bytes (reading '", f.path,
                         "')");
       }
     }
@@ -103,14 +114,18 @@ FileSource::FileSource(std::string path, std::vector<FileBlock> blocks, std::str
     if (bounce == nullptr) throw std::bad_alloc();
     bounce_ = {static_cast<std::byte*>(bounce), &std::free};
   } catch (...) {
-    ::close(fd_);
+    for (const Opened& f : files_) ::close(f.fd);
     throw;
   }
 }
 
 FileSource::~FileSource() {
   drop_reads();
-  ::close(fd_);
+  for (const Opened& f : files_) ::close(f.fd);
+}
+
+bool FileSource::direct() const {
+  return std::all_of(files_.begin(), files_.end(), [](const Opened& f) { return f.direct; });
 }
 
 // A block in pageable host memory: one memcpy reaches about a third of a PCIe 4 link's
@@ -130,32 +145,44 @@ void MemorySource::read(int64_t block, std::byte* into, const std::function<int6
 }
 
 void FileSource::check_unchanged(int64_t block) const {
-  struct stat s {};
-  BLOCKSWAP_CHECK(::fstat(fd_, &s) == 0, "[", label_, "] cannot stat '", path_, "' to read block ",
-                  block, ": ", std::strerror(errno));
-  const bool modified =
-      ns(s.st_mtim) != modified_ns_ || (s.st_nlink > 0 && ns(s.st_ctim) != changed_ns_);
-  BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == size_ && !modified, "[", label_, "] '", path_,
-                  "' changed while blockswap reads blocks from it (", size_, " bytes when opened, ",
-                  s.st_size, " now", modified ? ", modified since" : "", ") before block ", block,
-                  " was read: the blocks it holds cannot be trusted, and this offloader reads "
-                  "no more from it; restore the file and build a new offloader (close() this "
-                  "one), or load the model into host memory");
+  std::size_t last = files_.size(); // the block's ranges are in file order: each file once
+  for (const FileRange& r : blocks_[block].ranges) {
+    if (r.file == last) continue;
+    last = r.file;
+    const Opened& f = files_[r.file];
+    struct stat s {};
+    BLOCKSWAP_CHECK(::fstat(f.fd, &s) == 0, "[", label_, "] cannot stat '", f.path,
+                    "' to read block ", block, ": ", std::strerror(errno));
+    const bool modified =
+        ns(s.st_mtim) != f.modified_ns || (s.st_nlink > 0 && ns(s.st_ctim) != f.changed_ns);
+    BLOCKSWAP_CHECK(static_cast<uint64_t>(s.st_size) == f.size && !modified, "[", label_, "] '",
+                    f.path, "' changed while blockswap reads blocks from it (", f.size,
+                    " bytes when opened, ", s.st_size, " now", modified ? ", modified since" : "",
+                    ") before block ", block,
+                    " was read: the blocks it holds cannot be trusted, and this offloader reads "
+                    "no more from it; restore the file and build a new offloader (close() this "
+                    "one), or load the model into host memory");
+  }
 }
 
-// Reads `bytes` of the file from `offset` into `into` (fewer at the end of the file); a read
-// error is an Error naming the block.
-uint64_t FileSource::read_part(int64_t block, std::byte* into, uint64_t offset,
-                               uint64_t bytes) const {
+// Reads the part's bytes of its file into `into` (fewer at the end of the file); a read error
+// is an Error naming the block.
+uint64_t FileSource::read_part(int64_t block, const Part& part, std::byte* into) const {
+  const Opened& f = files_[part.file];
   uint64_t done = 0;
-  while (done < bytes) {
-    const ssize_t got = ::pread(fd_, into + done, bytes - done, static_cast<off_t>(offset + done));
+  while (done < part.want) {
+    const ssize_t got =
+        ::pread(f.fd, into + done, part.want - done, static_cast<off_t>(part.at + done));
     if (got < 0 && errno == EINTR) continue;
-    BLOCKSWAP_CHECK(got >= 0, "[", label_, "] reading block ", block, " from '", path_,
-                    "' at byte ", offset + done, ": ", std::strerror(errno));
+    BLOCKSWAP_CHECK(got >= 0, "[", label_, "] reading block ", block, " from '", f.path,
+                    "' at byte ", part.at + done, ": ", std::strerror(errno));
     if (got == 0) break; // the end of the file
     done += static_cast<uint64_t>(got);
-    if (direct_ && got % kAlign != 0) break; // a short O_DIRECT read: the end of the file
+    if (f.direct && got % kAlign != 0) break; // a short O_DIRECT read: the end of the file
+  }
+  if (!f.direct) {
+    ::posix_fadvise(f.fd, static_cast<off_t>(part.at), static_cast<off_t>(done),
+                    POSIX_FADV_DONTNEED);
   }
   return done;
 }
@@ -164,10 +191,12 @@ std::vector<FileSource::Part> FileSource::parts_of(int64_t block) const {
   std::vector<Part> parts;
   for (const FileRange& r : blocks_[block].ranges) { // in file order (in_file_order)
     uint64_t at = align_down(r.file_offset);
-    if (!parts.empty()) at = std::max(at, parts.back().at + parts.back().want);
+    if (!parts.empty() && parts.back().file == r.file) {
+      at = std::max(at, parts.back().at + parts.back().want);
+    }
     const uint64_t end = align_up(r.file_offset + r.bytes);
     for (; at < end; at += parts.back().want) {
-      parts.push_back(Part{at, std::min<uint64_t>(kPart, end - at)});
+      parts.push_back(Part{at, std::min<uint64_t>(kPart, end - at), r.file});
     }
   }
   return parts;
@@ -177,12 +206,7 @@ std::vector<FileSource::Part> FileSource::parts_of(int64_t block) const {
 void FileSource::issue(int64_t block, std::size_t part, Part stretch) {
   std::byte* const bounce = bounce_.get() + next_part_ * kPart;
   std::future<uint64_t> got = std::async(std::launch::async, [this, block, bounce, stretch] {
-    const uint64_t read = read_part(block, bounce, stretch.at, stretch.want);
-    if (!direct_) {
-      ::posix_fadvise(fd_, static_cast<off_t>(stretch.at), static_cast<off_t>(read),
-                      POSIX_FADV_DONTNEED);
-    }
-    return read;
+    return read_part(block, stretch, bounce);
   });
   in_flight_.push_back(InFlight{block, part, bounce, std::move(got)});
   next_part_ = (next_part_ + 1) % kParts;
@@ -235,14 +259,16 @@ void FileSource::read(int64_t block, std::byte* into, const std::function<int64_
       const uint64_t begin = parts[p].at, end = begin + got;
       for (std::size_t i = first_range; i < ranges.size(); ++i) {
         const FileRange& r = ranges[i];
+        if (r.file > parts[p].file) break; // later parts: the next file's
+        if (r.file < parts[p].file) continue;
         if (r.file_offset >= begin + parts[p].want) break; // later parts
         const uint64_t from = std::max(begin, r.file_offset);
         const uint64_t to = std::min(begin + parts[p].want, r.file_offset + r.bytes);
         if (from >= to) continue;
         if (to > end) {
           check_unchanged(block); // truncated under the run: say so
-          BLOCKSWAP_CHECK(false, "[", label_, "] reading block ", block, " from '", path_,
-                          "': the file ended at byte ", end, " before byte ",
+          BLOCKSWAP_CHECK(false, "[", label_, "] reading block ", block, " from '",
+                          files_[r.file].path, "': the file ended at byte ", end, " before byte ",
                           r.file_offset + r.bytes, " (truncated under the run?)");
         }
         std::memcpy(into + r.to + (from - r.file_offset), read.bounce + (from - begin), to - from);
@@ -257,8 +283,9 @@ void FileSource::read(int64_t block, std::byte* into, const std::function<int64_
   }
 }
 
-FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlock> blocks,
-                                           const std::string& label, CacheBypass bypass) {
+FileReader::Sources FileReader::sources_of(std::vector<std::string> files,
+                                           std::vector<FileBlock> blocks, const std::string& label,
+                                           CacheBypass bypass) {
   Sources sources;
   bool reads_file = false, reads_memory = false;
   for (std::size_t i = 0; i < blocks.size(); ++i) {
@@ -273,7 +300,7 @@ FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlo
   std::shared_ptr<MemorySource> memory;
   if (reads_memory) memory = std::make_shared<MemorySource>(blocks);
   if (reads_file)
-    sources.file = std::make_shared<FileSource>(std::move(path), blocks, label, bypass);
+    sources.file = std::make_shared<FileSource>(std::move(files), blocks, label, bypass);
   for (const FileBlock& b : blocks) {
     sources.per_block.push_back(b.memory != nullptr ? std::shared_ptr<BlockSource>(memory)
                                 : !b.ranges.empty() ? std::shared_ptr<BlockSource>(sources.file)
@@ -282,10 +309,10 @@ FileReader::Sources FileReader::sources_of(std::string path, std::vector<FileBlo
   return sources;
 }
 
-FileReader::FileReader(std::string path, std::vector<FileBlock> blocks,
+FileReader::FileReader(std::vector<std::string> files, std::vector<FileBlock> blocks,
                        const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
                        CacheBypass bypass, Backend* backend)
-    : FileReader(sources_of(std::move(path), std::move(blocks), label, bypass), staging, label,
+    : FileReader(sources_of(std::move(files), std::move(blocks), label, bypass), staging, label,
                  backend) {}
 
 FileReader::FileReader(Sources sources, const std::vector<std::shared_ptr<Buffer>>& staging,
@@ -295,7 +322,7 @@ FileReader::FileReader(Sources sources, const std::vector<std::shared_ptr<Buffer
       file_(std::move(sources.file)) {}
 
 std::unique_ptr<StagingReader> Backend::make_staging_reader(StagingSpec spec) {
-  return std::make_unique<FileReader>(std::move(spec.path), std::move(spec.blocks), spec.staging,
+  return std::make_unique<FileReader>(std::move(spec.files), std::move(spec.blocks), spec.staging,
                                       std::move(spec.label), spec.bypass, this);
 }
 

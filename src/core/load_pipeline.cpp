@@ -153,9 +153,9 @@ void LoadPipeline::start_staging(const std::optional<FileTier>& file,
                       "stream");
   }
   depth_ = staging.size();
-  reader_ = backend_->make_staging_reader(StagingSpec{file ? file->path : std::string(),
-                                                      std::move(blocks), std::move(staging), label_,
-                                                      file ? file->bypass : CacheBypass::direct});
+  reader_ = backend_->make_staging_reader(
+      StagingSpec{file ? file->files : std::vector<std::string>(), std::move(blocks),
+                  std::move(staging), label_, file ? file->bypass : CacheBypass::direct});
 }
 
 void LoadPipeline::plan(const Schedule& schedule) {

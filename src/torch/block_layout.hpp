@@ -32,6 +32,7 @@ struct PackedTensor {
   std::vector<int64_t> sizes;
   c10::ScalarType dtype = c10::ScalarType::Float;
   uint64_t file_offset = 0; // a frozen tensor's first byte in the model's file (file_weights.hpp)
+  std::size_t file = 0;     // which file: one of a sharded checkpoint's (FileWeights::files)
 };
 
 // A trainable parameter of a block and its optimizer state, as indices into

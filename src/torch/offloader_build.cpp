@@ -105,9 +105,11 @@ void ModelOffloader::Impl::build() {
   EngineOptions engine_options;
   if (!options_.weights_file.empty()) {
     file_ = torch_frontend::locate_weights(options_.weights_file, options_.weights_prefix,
+                                           options_.weights_layout, options_.weights_map,
                                            binder_.layouts_to_locate(), label_);
+    options_.weights_map = nullptr; // a Python map goes now, while its interpreter surely lives
     if (options_.host_budget_bytes) {
-      engine_options.file = FileTier{file_->path, file_->blocks, *options_.host_budget_bytes,
+      engine_options.file = FileTier{file_->files, file_->blocks, *options_.host_budget_bytes,
                                      options_.staging_buffers, options_.file_reads};
     }
   }
@@ -197,7 +199,7 @@ void ModelOffloader::Impl::use_file() {
       torch_frontend::read_frozen(*file_, binder_.layouts()[block], block, packed, label_);
     };
   }
-  binder_.views().use_file(any ? torch_frontend::map_file(file_->path, label_)
+  binder_.views().use_file(any ? torch_frontend::map_files(file_->files, label_)
                                : torch_frontend::FileMap{},
                            std::move(in_file), std::move(read), file_->path);
 }

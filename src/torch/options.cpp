@@ -58,6 +58,17 @@ void Options::check(const std::string& label, int64_t blocks) const {
                            "is not set");
   BLOCKSWAP_CHECK_ARGUMENT(weights_prefix.empty() || !weights_file.empty(), at,
                            "weights_prefix names the blocks in weights_file, which is not set");
+  BLOCKSWAP_CHECK_ARGUMENT((weights_layout.empty() && !weights_map) || !weights_file.empty(), at,
+                           "weights_layout and weights_map say how the blocks are named in "
+                           "weights_file, which is not set");
+  BLOCKSWAP_CHECK_ARGUMENT(weights_layout.empty() || weights_layout == "auto" || !weights_map, at,
+                           "weights_layout '", weights_layout,
+                           "' and weights_map both say how the blocks are named: give one");
+  try {
+    parse_weights_layout(weights_layout);
+  } catch (const Error& e) {
+    throw InvalidArgument(detail::concat(at, e.what()));
+  }
   BLOCKSWAP_CHECK_ARGUMENT(
       host_budget_bytes || (staging_buffers == 2 && file_reads == CacheBypass::direct), at,
       "staging_buffers and file_reads are the file tier's: set host_budget_bytes (and "

@@ -28,13 +28,13 @@ at::Tensor TierViews::frozen(int64_t block, const PackedTensor& t) const {
   // The view shares the buffer: the weights outlive the engine.
   if (read_only(block)) {
     if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
-    return view(file_map_.bytes, t.file_offset, t, at::kCPU);
+    return view(file_map_.bytes.at(t.file), t.file_offset, t, at::kCPU);
   }
   return view(hosts_[block], t.offset, t, at::kCPU);
 }
 
 bool TierViews::check_sources() noexcept {
-  if (!file_map_.bytes || file_gone_ || mapping_intact(file_map_)) return false;
+  if (file_map_.bytes.empty() || file_gone_ || mapping_intact(file_map_)) return false;
   file_gone_ = true;
   warn(label_, detail::concat("'", file_path_,
                               "' shrank under the run: the blocks read from it hold no "

@@ -28,9 +28,9 @@ public:
   // With the model's file (Options::weights_file), before the host copies are filled:
   // `in_file[b]` says which blocks the engine reads from the file for each load (the file tier,
   // Options::host_budget_bytes); their frozen views are views of `map` (the file, mapped:
-  // file_weights.hpp) at their file_offset, and a change of theirs cannot be kept, as the next
-  // load reads the file. `read`, when set, fills a block's packed host copy from the file instead
-  // of from its tensors, which were built empty (Options::weights_from_file). `path` is the
+  // file_weights.hpp) at their file and file_offset, and a change of theirs cannot be kept, as the
+  // next load reads the file. `read`, when set, fills a block's packed host copy from the file
+  // instead of from its tensors, which were built empty (Options::weights_from_file). `path` is the
   // file's: if the mapped file shrinks under the run (check_sources), those views could only
   // crash the process (SIGBUS), so they become tensors with no elements and a warning says so (a
   // file deleted or renamed keeps them).

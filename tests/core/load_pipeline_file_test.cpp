@@ -61,7 +61,7 @@ struct ModelFile {
   ~ModelFile() { fs::remove_all(path.parent_path()); }
 
   FileTier tier(std::size_t host_budget) const {
-    return FileTier{path.string(), blocks, host_budget, 2, CacheBypass::direct};
+    return FileTier{{path.string()}, blocks, host_budget, 2, CacheBypass::direct};
   }
   // Fills the host copies of the blocks the budget keeps in memory.
   void fill(Engine& engine) const {
@@ -305,7 +305,7 @@ TEST(FileTier, WhatTheFileCannotHoldIsRefused) {
   EXPECT_THROW(Engine(device(), file.bytes, short_list), InvalidArgument);
   EngineOptions missing{.blocks_to_swap = 1};
   missing.file = file.tier(0);
-  missing.file->path += ".gone";
+  missing.file->files[0] += ".gone";
   try {
     Engine engine(device(), file.bytes, missing);
     FAIL() << "a missing file was accepted";

@@ -120,7 +120,7 @@ TEST(LoadPipeline, PageableBlocksGoThroughTheRingExactlyInAnyOrder) {
 
 TEST(LoadPipeline, FileBlocksAreReadInTheSchedulesOrderAndCountedAsDiskBytes) {
   const File file(4);
-  const FileTier tier{file.path.string(), file.blocks, 0, 2, CacheBypass::drop};
+  const FileTier tier{{file.path.string()}, file.blocks, 0, 2, CacheBypass::drop};
   Fixture f(4, {}, tier, {false, true, true, true});
   EXPECT_EQ(f.store.tier(0), HostStore::Tier::pinned);
   EXPECT_EQ(f.store.buffer(1), nullptr);
@@ -134,7 +134,7 @@ TEST(LoadPipeline, FileBlocksAreReadInTheSchedulesOrderAndCountedAsDiskBytes) {
 
 TEST(LoadPipeline, AFailedReadIsRaisedWhereTheBlockFinishesAndTellsTheOwner) {
   const File file(2);
-  const FileTier tier{file.path.string(), file.blocks, 0, 1, CacheBypass::drop};
+  const FileTier tier{{file.path.string()}, file.blocks, 0, 1, CacheBypass::drop};
   Fixture f(2, {}, tier, {true, true});
   f.pipeline.start_pass({0});
   EXPECT_EQ(f.load(0), 0u);
@@ -171,11 +171,11 @@ TEST(LoadPipeline, AFileTierThatDoesNotMatchTheBlocksIsRefused) {
   const File file(2);
   auto device = std::make_shared<EmulatedDevice>();
   HostStore store(device, {kBytes, kBytes}, {0, 0}, {}, "blocks", {false, true});
-  EXPECT_THROW(LoadPipeline(device, store, FileTier{file.path.string(), {file.blocks[0]}, 0, 2},
+  EXPECT_THROW(LoadPipeline(device, store, FileTier{{file.path.string()}, {file.blocks[0]}, 0, 2},
                             {0, 1}, kBytes, "blocks", [] {}),
                InvalidArgument);
-  EXPECT_THROW(LoadPipeline(device, store, FileTier{file.path.string(), file.blocks, 0, 0}, {0, 1},
-                            kBytes, "blocks", [] {}),
+  EXPECT_THROW(LoadPipeline(device, store, FileTier{{file.path.string()}, file.blocks, 0, 0},
+                            {0, 1}, kBytes, "blocks", [] {}),
                InvalidArgument);
 }
 

@@ -24,7 +24,7 @@ using namespace blockswap::testing;
 TEST(StagingRing, DestroyedWithReadsPendingItStops) {
   const std::vector<FileBlock> blocks = blocks_of(8, 1, 1 << 20);
   const TestFile file(13 + 8 * (1 << 20));
-  FileReader reader(file.path.string(), blocks, ring(2, blocks[0].bytes), "blocks");
+  FileReader reader({file.path.string()}, blocks, ring(2, blocks[0].bytes), "blocks");
   for (int64_t b = 0; b < 8; ++b) reader.request(b); // six wait for a buffer, never released
   reader.next();
 }
@@ -35,7 +35,7 @@ TEST(StagingRing, TakeGivesTheBuffersInTheOrderTheyAreReleased) {
   const std::vector<FileBlock> blocks = blocks_of(4, 2, 5000);
   const TestFile file(13 + 4 * 2 * 5000);
   const std::vector<std::shared_ptr<Buffer>> buffers = ring(2, blocks[0].bytes);
-  FileReader reader(file.path.string(), blocks, buffers, "blocks");
+  FileReader reader({file.path.string()}, blocks, buffers, "blocks");
   for (int64_t b : {2, 0, 3, 1}) reader.request(b);
   const FileReader::Staged a = reader.take(), b = reader.take();
   EXPECT_EQ(a.block, 2);
@@ -68,7 +68,7 @@ TEST(StagingRing, ATakenBlockIsReadWhatComesAfter) {
   const TestFile file(13 + 3 * 2 * 5000);
   std::shared_ptr<Buffer> last;
   {
-    FileReader reader(file.path.string(), blocks, ring(2, blocks[0].bytes), "blocks");
+    FileReader reader({file.path.string()}, blocks, ring(2, blocks[0].bytes), "blocks");
     for (int64_t b : {0, 1, 2}) reader.request(b);
     const FileReader::Staged first = reader.take();
     reader.cancel();
@@ -94,7 +94,7 @@ TEST(StagingRing, ACopyOrderedAfterItsReadCopiesTheBlockRead) {
   const std::vector<FileBlock> blocks = blocks_of(2, 1, 1 << 20);
   const TestFile file(13 + 2 * (1 << 20));
   const std::size_t bytes = blocks[0].bytes;
-  FileReader reader(file.path.string(), blocks, ring(1, bytes), "blocks", CacheBypass::direct,
+  FileReader reader({file.path.string()}, blocks, ring(1, bytes), "blocks", CacheBypass::direct,
                     &device);
   const Buffer to0 = device.allocate_device(bytes), to1 = device.allocate_device(bytes);
   reader.request(0);
@@ -121,7 +121,7 @@ TEST(StagingRing, ACopyOrderedAfterItsReadCopiesTheBlockRead) {
 
 TEST(StagingRing, ABlockOutOfRangeOrANextWithoutRequestIsNamed) {
   const TestFile file(100);
-  FileReader reader(file.path.string(), {FileBlock{{FileRange{0, 10, 0}}, 10}}, ring(1, 10),
+  FileReader reader({file.path.string()}, {FileBlock{{FileRange{0, 10, 0}}, 10}}, ring(1, 10),
                     "blocks");
   expect_error([&] { reader.request(1); }, {"block index 1 is out of range"});
   expect_error([&] { reader.next(); }, {"take() with no block requested"});

@@ -21,17 +21,19 @@ namespace blockswap::testing {
 
 namespace fs = std::filesystem;
 
-// A file of `bytes` bytes, byte i = i * 7 mod 251, in a directory of this test's own.
+// A file of `bytes` bytes, byte i = (i * 7 + salt) mod 251, in a directory of this test's own
+// (files of one test live and go together).
 struct TestFile {
   fs::path path;
   std::vector<std::byte> contents;
-  explicit TestFile(std::size_t bytes, const std::string& name = "model.bin") {
+  explicit TestFile(std::size_t bytes, const std::string& name = "model.bin",
+                    std::size_t salt = 0) {
     const fs::path dir =
         fs::temp_directory_path() / ("blockswap-file-reader-" + std::to_string(::getpid()));
     fs::create_directories(dir);
     path = dir / name;
     contents.resize(bytes);
-    for (std::size_t i = 0; i < bytes; ++i) contents[i] = std::byte((i * 7) % 251);
+    for (std::size_t i = 0; i < bytes; ++i) contents[i] = std::byte((i * 7 + salt) % 251);
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
     out.write(reinterpret_cast<const char*>(contents.data()), static_cast<std::streamsize>(bytes));
   }

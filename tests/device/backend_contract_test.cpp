@@ -821,7 +821,7 @@ TEST_P(BackendContract, TheStagingReaderReadsWhatTheFileHolds) {
     // One block of 100 MB: its read takes the disk's time, and the copy out of it waits for it.
     ASSERT_TRUE(subject().model);
     constexpr std::size_t kBytes = 100'000'000;
-    StagingSpec spec{"", {FileBlock{{}, kBytes, nullptr}}, {}, "contract"};
+    StagingSpec spec{{}, {FileBlock{{}, kBytes, nullptr}}, {}, "contract"};
     spec.staging.push_back(std::make_shared<Buffer>(backend().allocate_host(kBytes)));
     const std::unique_ptr<StagingReader> reader = backend().make_staging_reader(std::move(spec));
     Buffer dev = backend().allocate_device(kBytes);
@@ -859,7 +859,7 @@ TEST_P(BackendContract, TheStagingReaderReadsWhatTheFileHolds) {
     }
     return parts;
   };
-  StagingSpec spec{file.path.string(), blocks, {}, "contract"};
+  StagingSpec spec{{file.path.string()}, blocks, {}, "contract"};
   spec.staging.push_back(std::make_shared<Buffer>(backend().allocate_host(70'000)));
   const std::unique_ptr<StagingReader> reader = backend().make_staging_reader(std::move(spec));
   // Read and waited for by the host: the staging buffer holds the block.

@@ -282,8 +282,11 @@ TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
           auto device = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
           EngineOptions options{.blocks_to_swap = k, .supports_backward = mode == Mode::training};
           options.trainable_bytes.assign(n, 0);
-          options.file = FileTier{"", std::vector<FileBlock>(n, FileBlock{{}, kBytes, nullptr}),
-                                  budget_blocks * kBytes, 2, CacheBypass::direct};
+          options.file = FileTier{{},
+                                  std::vector<FileBlock>(n, FileBlock{{}, kBytes, nullptr}),
+                                  budget_blocks * kBytes,
+                                  2,
+                                  CacheBypass::direct};
           Engine engine(device, std::vector<std::size_t>(n, kBytes), options);
           BlockTiming timing = base;
           for (int64_t b = 0; b < n; ++b) timing.from_file.push_back(engine.in_file(b));

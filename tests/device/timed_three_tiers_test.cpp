@@ -42,9 +42,11 @@ std::pair<double, double> train(const Shape& shape, double ratio, double held, d
     EngineOptions options{.blocks_to_swap = k, .supports_backward = true};
     options.trainable_bytes.assign(static_cast<std::size_t>(n), 0);
     // Training moves 2K blocks a step.
-    options.file =
-        FileTier{"", std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
-                 static_cast<std::size_t>(held * double(2 * k)) * bytes, ring, CacheBypass::direct};
+    options.file = FileTier{{},
+                            std::vector<FileBlock>(n, FileBlock{{}, bytes, nullptr}),
+                            static_cast<std::size_t>(held * double(2 * k)) * bytes,
+                            ring,
+                            CacheBypass::direct};
     engines.push_back(std::make_unique<Engine>(device.attach("list " + std::to_string(l)),
                                                std::vector<std::size_t>(n, bytes), options));
     BlockTiming timing = uniform_timing(n, link.seconds(bytes) / ratio, bytes, 2.0);
@@ -130,7 +132,7 @@ double infer_flux(double held, double disk, bool planned) {
   for (std::size_t l = 0; l < 2; ++l) {
     const int64_t n = flux.blocks[l];
     EngineOptions options{.blocks_to_swap = schedules[l].blocks_to_swap()};
-    options.file = FileTier{"",
+    options.file = FileTier{{},
                             std::vector<FileBlock>(n, FileBlock{{}, flux.bytes[l], nullptr}),
                             budgets[l],
                             2,

@@ -238,6 +238,48 @@ TEST(Plan, FluxShapedModel) {
   EXPECT_EQ(plan_json(model, "24GiB", "train")["groups"][0]["blocks_to_swap"], 0);
 }
 
+// A sharded diffusers checkpoint (by its index and by its folder) and ComfyUI's one file plan as
+// the one file does: a block's bytes summed across the shards it lies in.
+TEST(Plan, AShardedCheckpointPlansAsItsOneFile) {
+  const auto tensors = flux_tensors();
+  const fs::path one = scratch() / "flux-one.safetensors";
+  write_sparse_model(one, tensors, "BF16", 2);
+  const fs::path folder = scratch() / "flux-sharded";
+  fs::create_directories(folder);
+  std::vector<std::vector<Tensor>> shards(3);
+  json weight_map = json::object();
+  for (std::size_t i = 0; i < tensors.size(); ++i) { // every block's tensors across the shards
+    shards[i % 3].push_back(tensors[i]);
+    weight_map[tensors[i].name] = "m-0000" + std::to_string(i % 3 + 1) + "-of-00003.safetensors";
+  }
+  for (std::size_t s = 0; s < 3; ++s) {
+    write_sparse_model(folder / ("m-0000" + std::to_string(s + 1) + "-of-00003.safetensors"),
+                       shards[s], "BF16", 2);
+  }
+  std::ofstream(folder / "m.safetensors.index.json")
+      << json{{"metadata", json::object()}, {"weight_map", weight_map}}.dump();
+  std::vector<Tensor> comfy = tensors;
+  for (Tensor& t : comfy) t.name = "model.diffusion_model." + t.name;
+  const fs::path comfy_file = scratch() / "flux-comfy.safetensors";
+  write_sparse_model(comfy_file, comfy, "BF16", 2);
+  const json expected = plan_json(one, "12GiB", "train");
+  for (const fs::path& model : {folder / "m.safetensors.index.json", folder, comfy_file}) {
+    const json plan = plan_json(model, "12GiB", "train");
+    ASSERT_EQ(plan["groups"].size(), 2u) << model;
+    for (std::size_t g = 0; g < 2; ++g) {
+      for (const char* key : {"blocks", "block_bytes", "total_bytes", "blocks_to_swap"}) {
+        EXPECT_EQ(plan["groups"][g][key], expected["groups"][g][key]) << model << " " << key;
+      }
+    }
+    EXPECT_EQ(plan["non_block_bytes"], expected["non_block_bytes"]) << model;
+  }
+  fs::remove(folder / "m-00002-of-00003.safetensors");
+  const Result missing = run_tool("plan " + folder.string() + " --budget 12GiB");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("m-00002-of-00003.safetensors' that the index"), std::string::npos)
+      << missing.err;
+}
+
 TEST(Plan, WanShapedModel) {
   const auto tensors = wan_tensors();
   const fs::path model = scratch() / "wan2.1-t2v-14b.safetensors";

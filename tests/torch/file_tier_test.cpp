@@ -9,10 +9,12 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/model_io/checkpoint.hpp"
 #include "blockswap/torch.hpp"
 #include "reference_transformer.hpp"
 #include "test_model.hpp"
@@ -150,6 +152,68 @@ TEST(FileTier, InferenceIsBitwiseAtEveryKAndHostBudget) {
         }
       }
     }
+  }
+}
+
+// A sharded checkpoint under other names: the saved file's block tensors renamed
+// ("model.diffusion_model.layers.N.…", found through Options::weights_map and ComfyUI's prefix)
+// and dealt into three shards, so that every block lies in all three; read from the shards
+// for each load (opened by the index, or by its folder), bitwise; a missing shard named.
+TEST(FileTier, AShardedCheckpointUnderOtherNamesIsBitwise) {
+  const Scratch scratch;
+  const std::string path = saved(scratch);
+  ReferenceTransformer plain = plain_model();
+  const auto expected = infer(plain, nullptr, 2);
+  const blockswap::Checkpoint one = open_checkpoint(path);
+  std::vector<std::vector<std::byte>> bytes;
+  std::vector<std::vector<TensorData>> shards(3);
+  std::string weight_map;
+  std::size_t next = 0;
+  for (const auto& [name, t] : one.tensors) {
+    if (name.rfind("blocks.", 0) != 0) continue;
+    std::ifstream in(path, std::ios::binary);
+    in.seekg(static_cast<std::streamoff>(t.offset));
+    bytes.emplace_back(t.info.bytes());
+    in.read(reinterpret_cast<char*>(bytes.back().data()),
+            static_cast<std::streamsize>(t.info.bytes()));
+    const std::string renamed = "model.diffusion_model.layers." + name.substr(7);
+    shards[next % 3].push_back(
+        TensorData{renamed, t.info.dtype, t.info.shape, bytes.back().data()});
+    weight_map += detail::concat(weight_map.empty() ? "" : ", ", "\"", renamed, "\": \"s", next % 3,
+                                 ".safetensors\"");
+    ++next;
+  }
+  const fs::path folder = scratch.dir / "sharded";
+  fs::create_directories(folder);
+  for (std::size_t s = 0; s < 3; ++s) {
+    write_safetensors((folder / detail::concat("s", s, ".safetensors")).string(), shards[s]);
+  }
+  const std::string index = (folder / "model.safetensors.index.json").string();
+  std::ofstream(index) << "{\"metadata\": {}, \"weight_map\": {" << weight_map << "}}";
+  for (const std::string& source : {index, folder.string()}) {
+    for (bool empty : {false, true}) {
+      SCOPED_TRACE(detail::concat(source, ", built empty ", empty));
+      ReferenceTransformer model =
+          empty ? ReferenceTransformer::load_frozen_empty(path) : ReferenceTransformer(kConfig);
+      Options options = file_tier(source, 3, 0, false, empty);
+      options.weights_map = [](const std::string& name) -> std::optional<FileSlice> {
+        return FileSlice{"layers." + name}; // "N.<name>": weights_prefix is empty
+      };
+      ModelOffloader offloader("blocks", model.modules(), options);
+      expect_bitwise(infer(model, &offloader, 2), expected);
+      EXPECT_GT(offloader.stats().disk_bytes, 0u);
+      for (int64_t b = 0; b < kConfig.blocks; ++b) EXPECT_TRUE(offloader.is_in_file(b)) << b;
+    }
+  }
+  fs::remove(folder / "s1.safetensors");
+  ReferenceTransformer model(kConfig);
+  try {
+    ModelOffloader offloader("blocks", model.modules(), file_tier(index, 3, 0, false, false));
+    FAIL() << "a missing shard was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("s1.safetensors' that the index '" + index),
+              std::string::npos)
+        << e.what();
   }
 }
 

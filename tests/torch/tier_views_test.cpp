@@ -70,7 +70,7 @@ std::shared_ptr<Buffer> host_copy() {
 // Block 0 in the file, block 1 in host memory.
 TierViews with_file_tier(const ModelFile& file) {
   TierViews views("blocks");
-  views.use_file(map_file(file.path, "blocks"), {true, false}, {}, file.path);
+  views.use_file(map_files({file.path}, "blocks"), {true, false}, {}, file.path);
   views.use_host_copies({nullptr, host_copy()});
   return views;
 }
@@ -110,7 +110,7 @@ TEST(TierViews, WeightsFromFileFillTheHostCopysFrozenBytes) {
   std::vector<int64_t> read;
   TierViews views("blocks");
   views.use_file(
-      map_file(file.path, "blocks"), {true, false},
+      map_files({file.path}, "blocks"), {true, false},
       [&](int64_t block, std::byte* packed) {
         EXPECT_EQ(packed, host->data());
         read.push_back(block);

@@ -131,7 +131,10 @@ int main(int argc, char** argv) {
   PlanArgs plan;
   CLI::App* plan_cmd = app.add_subcommand(
       "plan", "Choose how many blocks of a safetensors model to swap to fit a device budget");
-  plan_cmd->add_option("model", plan.model, "MODEL.safetensors (only its header is read)")
+  plan_cmd
+      ->add_option("model", plan.model,
+                   "MODEL.safetensors, a sharded set's *.safetensors.index.json, or the "
+                   "folder holding either (only the headers are read)")
       ->required();
   plan_cmd
       ->add_option("--budget", plan.budget, "device memory for weights: 12GiB, 12000MB, 12G, bytes")

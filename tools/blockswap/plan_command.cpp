@@ -10,6 +10,7 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/planner.hpp"
 #include "blockswap/core/simulator.hpp"
+#include "blockswap/model_io/checkpoint.hpp"
 #include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/model_io/safetensors.hpp"
 #include "commands.hpp"
@@ -121,8 +122,9 @@ int plan_command(const PlanArgs& args) {
                   "--mode must be infer or train, got '", args.mode, "'");
   const Mode mode = args.mode == "train" ? Mode::training : Mode::forward_only;
   const uint64_t budget = parse_size(args.budget);
-  const SafetensorsHeader header = read_safetensors_header(args.model);
-  const ModelLayout layout = group_blocks(header.tensors);
+  // One file, or a sharded set (its index or folder): a block's bytes across its shards.
+  const std::vector<TensorInfo> tensors = open_checkpoint(args.model).tensor_infos();
+  const ModelLayout layout = group_blocks(tensors);
   ModelPlan plan = plan_model(layout, budget, mode);
   std::optional<uint64_t> host_budget;
   if (!args.host_budget.empty()) host_budget = parse_size(args.host_budget);
@@ -214,8 +216,8 @@ int plan_command(const PlanArgs& args) {
   }
   uint64_t total = plan.non_block_bytes;
   for (const GroupPlan& g : plan.groups) total += g.total_bytes;
-  std::printf("%s: %zu tensors, %s; budget %s for %s\n\n", args.model.c_str(),
-              header.tensors.size(), format_bytes(total).c_str(), format_bytes(budget).c_str(),
+  std::printf("%s: %zu tensors, %s; budget %s for %s\n\n", args.model.c_str(), tensors.size(),
+              format_bytes(total).c_str(), format_bytes(budget).c_str(),
               mode == Mode::training ? "training" : "inference");
   std::printf("%-24s %7s %12s %12s %6s %12s %14s\n", "group", "blocks", "block", "total", "swap",
               "on device", "moved/step");

@@ -22,16 +22,18 @@
 
 namespace blockswap {
 
-// `bytes` bytes of the file from `file_offset` go to offset `to` of the block's packed bytes.
+// `bytes` bytes of file `file` (an index into the files given: the shards of a sharded
+// checkpoint; 0 for one file) from `file_offset` go to offset `to` of the block's packed bytes.
 struct FileRange {
   uint64_t file_offset = 0;
   std::size_t bytes = 0;
   std::size_t to = 0;
+  std::size_t file = 0;
 };
 
-// One block's frozen bytes in the file: where each range goes, and the packed size they fill.
-// With `memory` set instead, the block's `bytes` are copied from there (pageable host memory,
-// which must stay valid and unchanged while the reader lives).
+// One block's frozen bytes in the files (its ranges may lie in several): where each range goes, and
+// the packed size they fill. With `memory` set instead, the block's `bytes` are copied from there
+// (pageable host memory, which must stay valid and unchanged while the reader lives).
 struct FileBlock {
   std::vector<FileRange> ranges;
   std::size_t bytes = 0;
@@ -47,7 +49,8 @@ enum class CacheBypass {
 // What Backend::make_staging_reader builds a reader from: per block, its place in the file or
 // its pageable memory (neither: never staged).
 struct StagingSpec {
-  std::string path; // the model's file (empty: no block has ranges)
+  std::vector<std::string>
+      files; // the model's files, FileRange::file's (none: no block has ranges)
   std::vector<FileBlock> blocks;
   std::vector<std::shared_ptr<Buffer>> staging; // the ring
   std::string label;
@@ -56,10 +59,10 @@ struct StagingSpec {
 
 class FileSource final : public BlockSource {
 public:
-  // Opens `path` and checks that every range of every block lies inside the file and inside
-  // its block's bytes: Error naming `label`, the block and the file otherwise. Blocks with no
-  // ranges are not its.
-  FileSource(std::string path, std::vector<FileBlock> blocks, std::string label,
+  // Opens `files` (one fd each) and checks that every range of every block names one of them,
+  // lies inside it and inside its block's bytes: Error naming `label`, the block and the file
+  // otherwise. Blocks with no ranges are not its.
+  FileSource(std::vector<std::string> files, std::vector<FileBlock> blocks, std::string label,
              CacheBypass bypass = CacheBypass::direct);
   ~FileSource() override; // waits for reads in flight
 
@@ -69,27 +72,34 @@ public:
   void read(int64_t block, std::byte* into, const std::function<int64_t()>& next) override;
   void stop() override { drop_reads(); }
 
-  // Whether reads bypass the cache with O_DIRECT (else: buffered reads and DONTNEED).
-  bool direct() const { return direct_; }
-  const std::string& path() const { return path_; }
+  // Whether reads of every file bypass the cache with O_DIRECT (else, for a file the file
+  // system will not read so: buffered reads and DONTNEED).
+  bool direct() const;
 
 private:
-  // An aligned stretch of the file read into one bounce part.
+  // An aligned stretch of a file read into one bounce part.
   struct Part {
     uint64_t at = 0, want = 0;
+    std::size_t file = 0;
   };
+  // One of the files, open.
+  struct Opened {
+    std::string path;
+    int fd = -1;
+    bool direct = false;
+    uint64_t size = 0;
+    int64_t modified_ns = 0, changed_ns = 0; // its mtime and ctime when opened
+  };
+  void open(std::string path, CacheBypass bypass); // one more of files_
   std::vector<Part> parts_of(int64_t block) const; // those that cover its ranges, in file order
   void issue(int64_t block, std::size_t part, Part stretch); // into the next bounce part
   void drop_reads();                                         // waits for those in flight
-  uint64_t read_part(int64_t block, std::byte* into, uint64_t offset, uint64_t bytes) const;
-  void check_unchanged(int64_t block) const;
+  uint64_t read_part(int64_t block, const Part& part, std::byte* into) const;
+  void check_unchanged(int64_t block) const; // the files the block reads
 
-  const std::string path_, label_;
+  const std::string label_;
   const std::vector<FileBlock> blocks_;
-  int fd_ = -1;
-  bool direct_ = false;
-  uint64_t size_ = 0;
-  int64_t modified_ns_ = 0, changed_ns_ = 0; // its mtime and ctime when opened
+  std::vector<Opened> files_;
   // The bounce parts, read into in turn: the disk reads the next ones while the oldest is
   // copied out (Note [reading past the page cache]).
   std::unique_ptr<std::byte, void (*)(void*)> bounce_{nullptr, nullptr};
@@ -120,7 +130,7 @@ private:
 // and that no block is both in the file and in memory.
 class FileReader final : public StagingRing {
 public:
-  FileReader(std::string path, std::vector<FileBlock> blocks,
+  FileReader(std::vector<std::string> files, std::vector<FileBlock> blocks,
              const std::vector<std::shared_ptr<Buffer>>& staging, std::string label,
              CacheBypass bypass = CacheBypass::direct, Backend* backend = nullptr);
   // Whether the file is read with O_DIRECT (false with no file).
@@ -134,7 +144,7 @@ private:
   };
   FileReader(Sources sources, const std::vector<std::shared_ptr<Buffer>>& staging,
              std::string label, Backend* backend);
-  static Sources sources_of(std::string path, std::vector<FileBlock> blocks,
+  static Sources sources_of(std::vector<std::string> files, std::vector<FileBlock> blocks,
                             const std::string& label, CacheBypass bypass);
   std::shared_ptr<FileSource> file_;
 };

@@ -34,7 +34,8 @@ namespace blockswap {
 // bytes are read from the model's file for each load, through a ring of pinned staging buffers,
 // instead of being held in host memory.
 struct FileTier {
-  std::string path;
+  std::vector<std::string>
+      files; // the model's files (a sharded checkpoint's shards), FileRange::file's
   // Every block's packed bytes in the file (its ranges cover what it needs; padding between
   // tensors is left as the staging buffer had it).
   std::vector<FileBlock> blocks;

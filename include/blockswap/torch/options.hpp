@@ -19,6 +19,7 @@
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 #include "blockswap/device/device.hpp"
+#include "blockswap/model_io/name_map.hpp"
 
 namespace blockswap {
 
@@ -173,8 +174,20 @@ struct Options {
   // of the model in host memory. Needs weights_file.
   bool weights_from_file = false;
   // The blocks' names in weights_file ("transformer_blocks."); empty: the one prefix under which
-  // every block's frozen tensors are found, with their shapes and dtypes.
+  // every block's frozen tensors are found, with their shapes and dtypes. With a name map, the
+  // prefix the map is given (below).
   std::string weights_prefix = {};
+  // How the module's tensor names are found in weights_file (model_io/name_map.hpp): "" or
+  // "auto" (the module's own names, else FLUX's original layout if the file is in it),
+  // "diffusers" (the module's own names), "flux" (diffusers' FluxTransformer2DModel blocks over
+  // Black Forest Labs' names: to_q, to_k, to_v and proj_mlp read as row slices of the fused qkv
+  // and linear1). ComfyUI's "model.diffusion_model." is found before any name, and fp8 scales
+  // as "scale_weight" or "weight_scale". Needs weights_file.
+  std::string weights_layout = {};
+  // The user's name map, in place of weights_layout: from `weights_prefix + b + "." + name` to
+  // the file's tensor, or rows of it (FileSlice); called while the offloader is built. Needs
+  // weights_file.
+  NameMap weights_map = {};
   // The file tier: this offloader's pinned host memory for the blocks that move (training's
   // first, then inference's), in block order while it lasts;
   // the others are read from weights_file for each load (the blocks that never move once), and
