@@ -100,11 +100,15 @@ def offload(target, device_budget=None, *, device=None, blocks_to_swap=None,
     frozen until close(). ``block_lists``: the lists' names
     (``"transformer.transformer_blocks"``) instead of those found. Every other keyword is
     ModelOffloader's, with the same name and meaning (docs/python.md); ``host_budget_bytes``
-    is shared among the lists in proportion to the bytes each swaps, ``weights_file`` is a path
-    (a module) or a dict by component (a pipeline), and ``trace`` writes one file per list
-    (``trace.<list>.json``).
+    is shared among the lists that read a ``weights_file`` in proportion to the bytes each
+    swaps, ``weights_file`` is a path (a module) or a dict by component (a pipeline), and
+    ``trace`` writes one file per list (``trace.<list>.json``).
     """
     _check_options(options)
+    if _plan.is_pipeline(target) and options.get("weights_file") is not None and not isinstance(
+            options["weights_file"], dict):
+        raise InvalidArgumentError("blockswap.offload of a pipeline takes weights_file as a dict "
+                                   "by component, e.g. {'transformer': 'path/to/transformer'}")
     device = _default_device(device)
     training = _training(target, supports_backward)
     frozen = _Frozen(target, training)
@@ -258,17 +262,24 @@ class _Prepare:
         return _hooks._inert, ()
 
 
+def _weights_file(options, x):
+    weights = options.get("weights_file")
+    return weights.get(x.component) if isinstance(weights, dict) else weights
+
+
 def _list_options(options, x, streamed):
-    """The offloader options for list `x` (offload's docstring)."""
+    """The offloader options for list `x` (offload's docstring): host_budget_bytes shared among
+    the lists that read a weights_file, by the bytes each swaps."""
     mine = dict(options)
-    if options.get("host_budget_bytes") is not None:
-        total = sum(y.blocks_to_swap * max(y.block_bytes) for y in streamed)
+    mine["weights_file"] = _weights_file(options, x)
+    if mine["weights_file"] is None:
+        mine.pop("host_budget_bytes", None)
+    elif options.get("host_budget_bytes") is not None:
+        filed = [y for y in streamed if _weights_file(options, y) is not None]
+        total = sum(y.blocks_to_swap * max(y.block_bytes) for y in filed)
         share = x.blocks_to_swap * max(x.block_bytes)
         mine["host_budget_bytes"] = int(options["host_budget_bytes"]) * share // total
-    weights = options.get("weights_file")
-    if isinstance(weights, dict):
-        mine["weights_file"] = weights.get(x.component)
-    if mine.get("weights_file") is not None and "weights_prefix" not in options:
+    if mine["weights_file"] is not None and "weights_prefix" not in options:
         mine["weights_prefix"] = x.path + "."
     if options.get("trace") is not None:
         stem, ext = _os.path.splitext(_os.fspath(options["trace"]))

@@ -288,3 +288,24 @@ def test_a_meta_model_whose_fixed_parts_hold_no_values_is_refused_before_anythin
     with pytest.raises(blockswap.InvalidArgumentError, match="meta device"):
         blockswap.offload(model, device="cpu", device_budget="1GB")
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_pipeline_reads_its_transformer_from_the_sharded_checkpoint_users_have(tmp_path):
+    # diffusers' own sharded format (an index JSON and its shards), the blocks read from it
+    # at every load (host_budget_bytes=0): the same images, and bytes really read from disk.
+    want = tiny_pipelines.flux_image(tiny_pipelines.flux())
+    folder = tmp_path / "transformer"
+    tiny_pipelines.flux().transformer.save_pretrained(folder, max_shard_size="200KB")
+    assert (folder / "diffusion_pytorch_model.safetensors.index.json").exists()
+    assert len(list(folder.glob("*.safetensors"))) >= 3
+    pipe = tiny_pipelines.flux()
+    smallest = blockswap.plan_offload(pipe, device_budget="1GB",
+                                      device="cpu").smallest_budget_bytes
+    with blockswap.offload(pipe, device_budget=smallest, device="cpu",
+                           weights_file={"transformer": folder}, host_budget_bytes=0) as handle:
+        got = tiny_pipelines.flux_image(pipe)
+        stats = handle.stats()
+    assert torch.equal(want, got)
+    for name in ("transformer.transformer_blocks", "transformer.single_transformer_blocks"):
+        assert stats[name]["disk_bytes"] > 0, name
+    assert stats["text_encoder_2.encoder.block"].get("disk_bytes", 0) == 0
