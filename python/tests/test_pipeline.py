@@ -18,16 +18,17 @@ WORLD = 2
 K = 3  # the worker's stages of 6 blocks swap half of them; interleaved stages of 3 swap 1
 
 
-def run_job(tmp_path, schedule, microbatches, verbs="verbs", timeout=180):
-    job = tmp_path / f"pipe-{schedule}-{microbatches}-{verbs}"
+def run_ranks(worker, job, args, world=WORLD, timeout=180):
+    """Runs `world` ranks of `worker` (RANK WORLD_SIZE JOB_DIR *args); returns each one's
+    result, after checking that every rank wrote one without an error."""
     job.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     here = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([here] + [p for p in [env.get("PYTHONPATH")] if p])
-    ranks = [subprocess.Popen([sys.executable, WORKER, str(r), str(WORLD), str(job), schedule,
-                               str(microbatches), verbs], env=env, stderr=subprocess.PIPE,
+    ranks = [subprocess.Popen([sys.executable, worker, str(r), str(world), str(job)] +
+                              [str(a) for a in args], env=env, stderr=subprocess.PIPE,
                               text=True)
-             for r in range(WORLD)]
+             for r in range(world)]
     deadline = time.monotonic() + timeout
     errors = []
     for p in ranks:
@@ -36,16 +37,22 @@ def run_job(tmp_path, schedule, microbatches, verbs="verbs", timeout=180):
         except subprocess.TimeoutExpired:
             for q in ranks:
                 q.kill()
-            pytest.fail(f"the pipeline job {schedule} x {microbatches} hung for {timeout} s")
+            pytest.fail(f"the job {os.path.basename(worker)} {args} hung for {timeout} s")
         errors.append(err)
     results = []
-    for r in range(WORLD):
+    for r in range(world):
         path = job / f"rank-{r}.json"
-        assert path.exists(), errors[r]
+        assert path.exists(), errors[r][-4000:]
         result = json.loads(path.read_text())
         assert "error" not in result, result["error"]
         assert result["exact"], f"rank {r}: blockswap's pipeline differs from the plain one"
         results.append(result)
+    return results
+
+
+def run_job(tmp_path, schedule, microbatches, verbs="verbs"):
+    results = run_ranks(WORKER, tmp_path / f"pipe-{schedule}-{microbatches}-{verbs}",
+                        [schedule, microbatches, verbs])
     assert results[-1]["losses"] == microbatches  # the last stage saw every micro-batch's loss
     return results
 
