@@ -88,12 +88,14 @@ def train(rank, world, schedule_name, microbatches, swapped, verbs):
         loads.append({str(s): block_loads(m) for s, m in zip(indices, modules)
                       if m.offloader is not None})
     seen += [p.detach().clone() for p in params]
-    planned = {}
+    planned, peaks = {}, {}
     for s, m in zip(indices, modules):
         if m.offloader is not None:
+            peak = m.offloader.stats()["peak_device_bytes"]
             m.offloader.close()
-            planned[str(s)] = sequential_loads(list(m.blocks), microbatches)
-    return seen, loads, len(losses), planned
+            planned[str(s)], sequential_peak = sequential_loads(list(m.blocks), microbatches)
+            peaks[str(s)] = [peak, sequential_peak]
+    return seen, loads, len(losses), (planned, peaks)
 
 
 def block_loads(stage):
@@ -108,18 +110,19 @@ def block_loads(stage):
 
 def sequential_loads(blocks, microbatches):
     """The loads of one step of the same stage run the way the schedule plans a pass: each
-    micro-batch's forward, then its backward (gradient accumulation), in steady state."""
+    micro-batch's forward, then its backward (gradient accumulation), in steady state; and the
+    device bytes it peaked at."""
     stage = Stage(blocks, True, True)
     for _ in range(2):
         stage.offloader.reset_stats()
         for _ in range(microbatches):
             x = torch.randn(BATCH // microbatches, TOKENS, DIM, requires_grad=True)
             stage(x).pow(2).mean().backward()
-    loads = block_loads(stage)
+    loads, peak = block_loads(stage), stage.offloader.stats()["peak_device_bytes"]
     stage.offloader.close()
     for p in stage.parameters():
         p.grad = None
-    return loads
+    return loads, peak
 
 
 def main():
@@ -138,7 +141,7 @@ def main():
         result["exact"] = len(plain) == len(swapped) and all(
             torch.equal(a, b) for a, b in zip(plain, swapped))
         result["loads"] = loads
-        result["sequential_loads"] = planned
+        result["sequential_loads"], result["peak_device_bytes"] = planned
     except Exception as e:  # what a trainer would see, for the test to check
         import traceback
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"

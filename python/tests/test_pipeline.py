@@ -46,6 +46,9 @@ def run_ranks(worker, job, args, world=WORLD, timeout=180):
         result = json.loads(path.read_text())
         assert "error" not in result, result["error"]
         assert result["exact"], f"rank {r}: blockswap's pipeline differs from the plain one"
+        for stage, (peak, sequential) in result.get("peak_device_bytes", {}).items():
+            # micro-batches in flight share the stage's slots: no more device memory
+            assert peak == sequential, (stage, peak, sequential)
         results.append(result)
     return results
 
