@@ -565,6 +565,33 @@ TEST(Ranks, EveryRankTrainsExactlyOnOneHostCopyOfTheSwappedWeights) {
 
 // A rank killed in the middle of a step: the others fail with a clear error well within the
 // timeout, instead of hanging, and nothing of the job is left: no process, no file, no segment.
+// --nodes: the ranks as nodes of this machine, each node one host copy shared by its ranks (as
+// separate machines would hold; python/tests/test_multinode.py runs real hosts in namespaces).
+TEST(Ranks, TwoNodesHoldOneCopyEachAndTrainExactly) {
+  const Result r = run_tool(std::string(kSmallRanksJob) + " --ranks 4 --nodes 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  EXPECT_EQ(out["nodes"].get<int>(), 2);
+  EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+  const uint64_t copy = out["swapped_weight_bytes"];
+  ASSERT_EQ(out["node_host_bytes"].size(), 2u);
+  for (const auto& node : out["node_host_bytes"]) {
+    EXPECT_NEAR(double(node.get<uint64_t>()), double(copy), 128 * 1024.0) << out.dump();
+  }
+  for (const auto& rank : out["rank_stats"]) {
+    EXPECT_EQ(rank["node"].get<int>(), rank["rank"].get<int>() / 2);
+    EXPECT_EQ(rank["max_diff_to_rank0"].get<double>(), 0.0);
+    EXPECT_NEAR(double(rank["proportional_host_bytes"]), double(copy) / 2, 64 * 1024.0);
+  }
+  const Result uneven = run_tool(std::string(kSmallRanksJob) + " --ranks 4 --nodes 3");
+  EXPECT_EQ(uneven.exit_code, 1);
+  EXPECT_NE(uneven.err.find("--nodes 3 does not divide --ranks 4"), std::string::npos)
+      << uneven.err;
+  const Result alone = run_tool("run --mode train --nodes 2");
+  EXPECT_EQ(alone.exit_code, 1);
+  EXPECT_NE(alone.err.find("give --ranks too"), std::string::npos) << alone.err;
+}
+
 TEST(Ranks, AKilledRankMakesTheOthersFailAndLeavesNothing) {
   const fs::path tmp = scratch() / "killed"; // the launcher makes the job's directory in TMPDIR
   fs::create_directories(tmp);

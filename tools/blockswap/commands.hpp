@@ -42,6 +42,9 @@ struct RunArgs {
   std::string activation_threshold = "64KiB"; // saved storages under it stay on the device
   // Data-parallel LoRA training over this many processes (0: one process, no c10d).
   int ranks = 0;
+  // The ranks as this many nodes of ranks/nodes each (on this machine): node sharing within a
+  // node, one host copy each, as that many machines would hold.
+  int nodes = 1;
   double timeout_seconds = 60; // how long a rank waits for the others
   int kill_rank = -1;          // fault injection: that rank dies in its second step
 };

@@ -124,6 +124,12 @@ int main(int argc, char** argv) {
                    "--ranks: seconds a rank waits for the others before it fails")
       ->check(CLI::Range(1.0, 86400.0))
       ->capture_default_str();
+  run_cmd
+      ->add_option("--nodes", run.nodes,
+                   "--ranks: the ranks as N nodes of R/N ranks each (on this machine), each node "
+                   "its own host copy of the swapped weights, shared by its ranks")
+      ->check(integer_in<int>(1, 64))
+      ->capture_default_str();
   run_cmd->add_option("--kill-rank", run.kill_rank,
                       "--ranks, fault injection: this rank kills itself (SIGKILL) in the middle "
                       "of its second step, to show how the others fail");
@@ -240,6 +246,8 @@ int main(int argc, char** argv) {
                     "--activation-threshold applies to --offload-activations only");
     BLOCKSWAP_CHECK(run_cmd->count("--pinnable-bytes") == 0 || !run.pinnable_bytes.empty(),
                     "--pinnable-bytes needs a size (0, 64MiB, ...)");
+    BLOCKSWAP_CHECK(run.nodes == 1 || run.ranks > 0,
+                    "--nodes splits the ranks of --ranks into nodes: give --ranks too");
     if (run.ranks > 0) return ranks_command(run, argv);
     return run_command(run); // `blockswap` alone runs the default comparison
   } catch (const std::bad_alloc&) {

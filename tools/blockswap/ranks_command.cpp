@@ -85,8 +85,11 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
   options.supports_backward = true;
   options.device = c10::kCPU;
   options.emulated_link_gbps = args.link_gbps;
-  options.node_sharing = node_sharing(store, rank, args.ranks); // one node: this machine
-  options.offload_activations = args.offload_activations;       // each rank its own, in its process
+  // Node sharing among the ranks of this rank's node (--nodes), each node its own copy.
+  const int per_node = args.ranks / args.nodes;
+  options.node_sharing = node_sharing(store, rank % per_node, per_node);
+  options.node_sharing.group = detail::concat("node", rank / per_node);
+  options.offload_activations = args.offload_activations; // each rank its own, in its process
   options.activation_threshold_bytes = parse_size(args.activation_threshold);
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
 
@@ -125,6 +128,7 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
   const uint64_t steps = static_cast<uint64_t>(args.steps);
   nlohmann::json out{
       {"rank", rank},
+      {"node", rank / per_node},
       {"blocks", config.blocks},
       {"hidden", config.hidden},
       {"blocks_to_swap", offloader.blocks_to_swap()},
@@ -230,10 +234,11 @@ void print_table(const RunArgs& args, const std::vector<nlohmann::json>& results
   const uint64_t frozen = first["frozen_bytes"];
   const int64_t blocks = first["blocks"];
   std::printf("blockswap run: reference transformer, %lld blocks of %s, hidden %lld, %lld tokens, "
-              "LoRA training, data-parallel over %d ranks (Gloo, one node)\n",
+              "LoRA training, data-parallel over %d ranks (Gloo, %d node%s)\n",
               static_cast<long long>(blocks), format_bytes(frozen / uint64_t(blocks)).c_str(),
               static_cast<long long>(first["hidden"].get<int64_t>()),
-              static_cast<long long>(args.tokens), args.ranks);
+              static_cast<long long>(args.tokens), args.ranks, args.nodes,
+              args.nodes == 1 ? "" : "s");
   std::printf("device: emulated (link %g GB/s, %d thread%s per rank); %lld of %lld blocks swapped "
               "on each rank; %d measured steps\n\n",
               args.link_gbps, args.threads, args.threads == 1 ? "" : "s",
@@ -255,14 +260,25 @@ void print_table(const RunArgs& args, const std::vector<nlohmann::json>& results
   }
   std::printf("\n(host memory: the swapped weights each rank maps, from /proc/self/smaps; time and "
               "bytes per step)\n");
-  std::printf("swapped weights: %s per copy; the node holds %s of them for its %d rank%s "
-              "(%s private), where a copy per rank would be %s\n",
-              format_bytes(frozen).c_str(), format_bytes(proportional_sum).c_str(), args.ranks,
-              args.ranks == 1 ? "" : "s", format_bytes(private_sum).c_str(),
-              format_bytes(frozen * args.ranks).c_str());
+  std::printf("swapped weights: %s per copy; the %s %s of them for %d rank%s (%s private), "
+              "where a copy per rank would be %s\n",
+              format_bytes(frozen).c_str(),
+              args.nodes == 1 ? "node holds" : detail::concat(args.nodes, " nodes hold").c_str(),
+              format_bytes(proportional_sum).c_str(), args.ranks, args.ranks == 1 ? "" : "s",
+              format_bytes(private_sum).c_str(), format_bytes(frozen * args.ranks).c_str());
   std::printf("largest difference against the same job without block swapping, and between "
               "ranks: %g%s\n",
               diff, diff == 0 ? " (identical)" : "  <-- MISMATCH");
+}
+
+// The host memory each node holds for its ranks: the sum of their proportional shares.
+std::vector<uint64_t> node_host_bytes(const RunArgs& args,
+                                      const std::vector<nlohmann::json>& ranks) {
+  std::vector<uint64_t> bytes(static_cast<std::size_t>(args.nodes), 0);
+  for (const auto& r : ranks) {
+    bytes.at(r["node"].get<std::size_t>()) += r["proportional_host_bytes"].get<uint64_t>();
+  }
+  return bytes;
 }
 
 void print_json(const RunArgs& args, const std::vector<nlohmann::json>& results, double diff) {
@@ -285,6 +301,8 @@ void print_json(const RunArgs& args, const std::vector<nlohmann::json>& results,
         {"stall_seconds", first["stall_seconds"]}}},
       {"max_abs_diff", diff},
       {"ranks", args.ranks},
+      {"nodes", args.nodes},
+      {"node_host_bytes", node_host_bytes(args, results)},
       {"swapped_weight_bytes", first["frozen_bytes"]},
       {"rank_stats", results},
   };
@@ -323,6 +341,8 @@ int ranks_command(const RunArgs& args, char** argv) {
   BLOCKSWAP_CHECK(!args.weights.empty() || args.hidden % args.heads == 0, "--hidden ", args.hidden,
                   " is not divisible by --heads ", args.heads);
   check_shape_agrees_with_weights(args);
+  BLOCKSWAP_CHECK(args.ranks % args.nodes == 0, "--nodes ", args.nodes, " does not divide --ranks ",
+                  args.ranks, ": every node runs as many ranks");
   BLOCKSWAP_CHECK(args.kill_rank < args.ranks, "--kill-rank ", args.kill_rank,
                   " is not a rank of --ranks ", args.ranks);
   BLOCKSWAP_CHECK(args.steps >= 2 || args.kill_rank < 0,
