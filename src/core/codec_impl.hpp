@@ -1,0 +1,78 @@
+// The codec's internals shared by its files (core/codec.hpp): the Huffman code and how a value
+// splits into its symbol and its rest. src/device/cuda/codec_decode.cu mirrors join() (Note
+// [codec value split]).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <cstring>
+#include <span>
+
+#include "blockswap/core/codec.hpp"
+
+namespace blockswap::codec {
+
+// Huffman code lengths for the counts, none over kMaxCodeBits (0 for a count of 0; one symbol
+// alone gets 1).
+std::array<uint8_t, 256> code_lengths(std::array<uint64_t, 256> counts);
+
+// The canonical codes of the lengths (Error for lengths over kMaxCodeBits or no prefix code).
+std::array<uint16_t, 256> canonical_codes(std::span<const uint8_t, 256> lengths);
+
+// Note [codec value split]: a value of `width` bytes (little-endian) is one symbol byte and
+// width-1 rest bytes; split and join are inverse bijections on every bit pattern, so any bytes
+// of the right size round-trip, floating-point or not.
+//   bf16: symbol = exponent (bits 14..7); rest = sign << 7 | mantissa (7 bits)
+//   fp16: symbol = high byte; rest = low byte
+//   fp32: symbol = exponent (bits 30..23); rest = 3 bytes of sign << 23 | mantissa (23 bits)
+//   fp8:  symbol = the byte; no rest
+inline uint8_t split(DType dtype, const std::byte* value, std::byte* rest) {
+  switch (dtype) {
+  case DType::bf16: {
+    uint16_t u;
+    std::memcpy(&u, value, 2);
+    rest[0] = static_cast<std::byte>(((u >> 8) & 0x80) | (u & 0x7F));
+    return static_cast<uint8_t>(u >> 7);
+  }
+  case DType::fp16:
+    rest[0] = value[0];
+    return static_cast<uint8_t>(value[1]);
+  case DType::fp32: {
+    uint32_t u;
+    std::memcpy(&u, value, 4);
+    uint32_t r = (u & 0x7FFFFFu) | ((u >> 31) << 23);
+    rest[0] = static_cast<std::byte>(r);
+    rest[1] = static_cast<std::byte>(r >> 8);
+    rest[2] = static_cast<std::byte>(r >> 16);
+    return static_cast<uint8_t>(u >> 23);
+  }
+  default:
+    return static_cast<uint8_t>(value[0]);
+  }
+}
+
+inline void join(DType dtype, uint8_t symbol, const std::byte* rest, std::byte* value) {
+  switch (dtype) {
+  case DType::bf16: {
+    uint8_t r = static_cast<uint8_t>(rest[0]);
+    uint16_t u = static_cast<uint16_t>(((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F));
+    std::memcpy(value, &u, 2);
+    return;
+  }
+  case DType::fp16:
+    value[0] = rest[0];
+    value[1] = static_cast<std::byte>(symbol);
+    return;
+  case DType::fp32: {
+    uint32_t r = static_cast<uint32_t>(rest[0]) | (static_cast<uint32_t>(rest[1]) << 8) |
+                 (static_cast<uint32_t>(rest[2]) << 16);
+    uint32_t u = ((r >> 23) << 31) | (static_cast<uint32_t>(symbol) << 23) | (r & 0x7FFFFFu);
+    std::memcpy(value, &u, 4);
+    return;
+  }
+  default:
+    value[0] = static_cast<std::byte>(symbol);
+  }
+}
+
+} // namespace blockswap::codec
