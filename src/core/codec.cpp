@@ -95,51 +95,74 @@ std::vector<Piece> pieces_of(uint64_t size, std::span<const Range> ranges) {
   return merged;
 }
 
-// The coded payload of bytes as values of dtype, or empty where it would not be smaller.
-std::vector<std::byte> code_piece(DType dtype, std::span<const std::byte> bytes) {
-  const int w = width(dtype);
+// The coded payload of bytes as values of D, or empty where it would not be smaller.
+template <DType D> std::vector<std::byte> code_piece(std::span<const std::byte> bytes) {
+  constexpr int w = width_of(D);
   const uint64_t values = bytes.size() / w;
   const uint64_t chunks = (values + kChunkValues - 1) / kChunkValues;
   std::vector<uint8_t> symbols(values);
-  std::vector<std::byte> rest(values * (w - 1));
   std::array<uint64_t, 256> counts{};
   for (uint64_t i = 0; i < values; ++i) {
-    symbols[i] = split(dtype, bytes.data() + i * w, rest.data() + i * (w - 1));
+    symbols[i] = symbol_of<D>(bytes.data() + i * w);
     ++counts[symbols[i]];
   }
   const std::array<uint8_t, 256> lengths = code_lengths(counts);
   uint64_t bits = 0;
   for (int s = 0; s < 256; ++s) bits += counts[s] * lengths[s];
   const uint64_t head = 256 + 8 * (chunks + 1);
-  if (head + bits / 8 + rest.size() >= bytes.size()) return {};
+  const uint64_t rest_bytes = values * (w - 1);
+  if (head + bits / 8 + rest_bytes >= bytes.size()) return {};
   const std::array<uint16_t, 256> codes = canonical_codes(lengths);
 
-  std::vector<std::byte> out(head);
+  // Each chunk pads to a byte: at most one byte more per chunk than the bits.
+  std::vector<std::byte> out(head + bits / 8 + chunks + rest_bytes);
   std::memcpy(out.data(), lengths.data(), 256);
-  std::vector<uint64_t> offsets{0};
-  const size_t bits_at = out.size();
+  auto* const bits_at = reinterpret_cast<uint8_t*>(out.data() + head);
+  uint8_t* at = bits_at;
+  auto put_offset = [&](uint64_t c) {
+    const uint64_t offset = static_cast<uint64_t>(at - bits_at);
+    for (int i = 0; i < 8; ++i) out[256 + 8 * c + i] = static_cast<std::byte>(offset >> (8 * i));
+  };
+  put_offset(0);
   for (uint64_t c = 0; c < chunks; ++c) {
     uint64_t acc = 0;
-    int pending = 0;
+    int pending = 0; // bits of acc not yet written, at its low end
     const uint64_t last = std::min(values, (c + 1) * kChunkValues);
     for (uint64_t i = c * kChunkValues; i < last; ++i) {
       acc = (acc << lengths[symbols[i]]) | codes[symbols[i]];
       pending += lengths[symbols[i]];
-      while (pending >= 8) {
-        pending -= 8;
-        out.push_back(static_cast<std::byte>(acc >> pending));
+      if (pending >= 32) {
+        pending -= 32;
+        const auto word = static_cast<uint32_t>(acc >> pending);
+        at[0] = static_cast<uint8_t>(word >> 24);
+        at[1] = static_cast<uint8_t>(word >> 16);
+        at[2] = static_cast<uint8_t>(word >> 8);
+        at[3] = static_cast<uint8_t>(word);
+        at += 4;
       }
     }
-    if (pending > 0) out.push_back(static_cast<std::byte>(acc << (8 - pending)));
-    offsets.push_back(out.size() - bits_at);
+    for (; pending >= 8; pending -= 8) *at++ = static_cast<uint8_t>(acc >> (pending - 8));
+    if (pending > 0) *at++ = static_cast<uint8_t>(acc << (8 - pending));
+    put_offset(c + 1);
   }
-  for (uint64_t c = 0; c <= chunks; ++c) {
-    for (int i = 0; i < 8; ++i)
-      out[256 + 8 * c + i] = static_cast<std::byte>(offsets[c] >> (8 * i));
-  }
-  out.insert(out.end(), rest.begin(), rest.end());
+  out.resize(head + static_cast<uint64_t>(at - bits_at) + rest_bytes);
+  std::byte* rest = out.data() + head + (at - bits_at);
+  for (uint64_t i = 0; i < values; ++i) rest_of<D>(bytes.data() + i * w, rest + i * (w - 1));
   if (out.size() >= bytes.size()) return {};
   return out;
+}
+
+std::vector<std::byte> code_piece(DType dtype, std::span<const std::byte> bytes) {
+  switch (dtype) {
+  case DType::bf16:
+    return code_piece<DType::bf16>(bytes);
+  case DType::fp16:
+    return code_piece<DType::fp16>(bytes);
+  case DType::fp32:
+    return code_piece<DType::fp32>(bytes);
+  default:
+    return code_piece<DType::fp8>(bytes);
+  }
 }
 
 uint64_t load_be64(const uint8_t* p) {
@@ -148,10 +171,12 @@ uint64_t load_be64(const uint8_t* p) {
   return __builtin_bswap64(v);
 }
 
-// Decodes chunk c of segment s: values [first, first + n) from bits [begin, end).
+// Decodes chunk c of segment s: values [first, first + n) from bits [begin, end). A damaged
+// chunk throws once decoded (what it wrote is garbage by then, never read outside the chunk).
+template <DType D>
 void decode_chunk(const Segment& s, uint64_t c, std::span<const std::byte> block,
                   const uint16_t* table, std::byte* out) {
-  const int w = width(s.dtype);
+  constexpr int w = width_of(D);
   const uint64_t first = c * kChunkValues;
   const uint64_t n = std::min(kChunkValues, s.values - first);
   const uint64_t begin = get64(block, s.offsets_at + 8 * c);
@@ -163,29 +188,57 @@ void decode_chunk(const Segment& s, uint64_t c, std::span<const std::byte> block
   std::byte* value = out + s.out_offset + first * w;
   uint64_t buf = 0;
   int have = 0;
-  for (uint64_t i = 0; i < n; ++i) {
-    if (have < kMaxCodeBits) {
-      if (e - p >= 8) {
-        buf |= load_be64(p) >> have;
-        p += (63 - have) >> 3;
-        have |= 56;
-      } else {
-        for (; have <= 56 && p < e; have += 8) buf |= static_cast<uint64_t>(*p++) << (56 - have);
-      }
-    }
+  bool bad = false; // a code that is none, or bits past the chunk's end
+  uint64_t i = 0;
+  auto one = [&] {
     const uint16_t entry = table[buf >> (64 - kMaxCodeBits)];
     const int len = entry & 15;
-    BLOCKSWAP_CHECK(len != 0 && len <= have, "compressed block: segment at ", s.out_offset,
-                    ", chunk ", c, ": ", len == 0 ? "no code matches its bits" : "its bits end",
-                    " at value ", i, " of ", n);
+    bad |= len == 0 || len > have;
     buf <<= len;
     have -= len;
-    join(s.dtype, static_cast<uint8_t>(entry >> 4), rest + i * (w - 1), value + i * w);
+    join<D>(static_cast<uint8_t>(entry >> 4), rest + i * (w - 1), value + i * w);
+    ++i;
+  };
+  // Four codes of at most 12 bits a refill of at least 56 bits.
+  static_assert(4 * kMaxCodeBits <= 56);
+  while (i + 4 <= n && e - p >= 8) {
+    buf |= load_be64(p) >> have;
+    p += (63 - have) >> 3;
+    have |= 56;
+    one();
+    one();
+    one();
+    one();
   }
+  while (i < n && !bad) {
+    for (; have <= 56 && p < e; have += 8) buf |= static_cast<uint64_t>(*p++) << (56 - have);
+    one();
+  }
+  BLOCKSWAP_CHECK(!bad, "compressed block: segment at ", s.out_offset, ", chunk ", c,
+                  ": its bits are no codes of its table or end before its ", n, " values");
   const uint64_t used = static_cast<uint64_t>(p - start) * 8 - have;
   BLOCKSWAP_CHECK((end - begin) * 8 - used < 8, "compressed block: segment at ", s.out_offset,
                   ", chunk ", c, ": its ", n, " values end ", (end - begin) * 8 - used,
                   " bits before its bits do");
+}
+
+void decode_segment(const Segment& s, std::span<const std::byte> block, const uint16_t* table,
+                    std::byte* out) {
+  for (uint64_t c = 0; c < s.chunks; ++c) {
+    switch (s.dtype) {
+    case DType::bf16:
+      decode_chunk<DType::bf16>(s, c, block, table, out);
+      break;
+    case DType::fp16:
+      decode_chunk<DType::fp16>(s, c, block, table, out);
+      break;
+    case DType::fp32:
+      decode_chunk<DType::fp32>(s, c, block, table, out);
+      break;
+    default:
+      decode_chunk<DType::fp8>(s, c, block, table, out);
+    }
+  }
 }
 
 } // namespace
@@ -341,7 +394,7 @@ void decode(std::span<const std::byte> block, std::span<std::byte> out) {
     std::array<uint8_t, 256> lengths;
     std::memcpy(lengths.data(), block.data() + s.lengths_at, 256);
     const std::vector<uint16_t> table = decode_table(lengths);
-    for (uint64_t c = 0; c < s.chunks; ++c) decode_chunk(s, c, block, table.data(), out.data());
+    decode_segment(s, block, table.data(), out.data());
   }
   const uint64_t sum = checksum(out);
   BLOCKSWAP_CHECK(sum == p.checksum, "compressed block: the checksum of its ", p.decoded_bytes,

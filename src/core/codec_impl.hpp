@@ -20,57 +20,63 @@ std::array<uint8_t, 256> code_lengths(std::array<uint64_t, 256> counts);
 std::array<uint16_t, 256> canonical_codes(std::span<const uint8_t, 256> lengths);
 
 // Note [codec value split]: a value of `width` bytes (little-endian) is one symbol byte and
-// width-1 rest bytes; split and join are inverse bijections on every bit pattern, so any bytes
-// of the right size round-trip, floating-point or not.
+// width-1 rest bytes; (symbol_of, rest_of) and join are inverse bijections on every bit pattern, so
+// any bytes of the right size round-trip, floating-point or not.
 //   bf16: symbol = exponent (bits 14..7); rest = sign << 7 | mantissa (7 bits)
 //   fp16: symbol = high byte; rest = low byte
 //   fp32: symbol = exponent (bits 30..23); rest = 3 bytes of sign << 23 | mantissa (23 bits)
 //   fp8:  symbol = the byte; no rest
-inline uint8_t split(DType dtype, const std::byte* value, std::byte* rest) {
-  switch (dtype) {
-  case DType::bf16: {
+constexpr int width_of(DType dtype) {
+  return dtype == DType::bf16 || dtype == DType::fp16 ? 2 : dtype == DType::fp32 ? 4 : 1;
+}
+
+template <DType D> inline uint8_t symbol_of(const std::byte* value) {
+  if constexpr (D == DType::bf16) {
     uint16_t u;
     std::memcpy(&u, value, 2);
-    rest[0] = static_cast<std::byte>(((u >> 8) & 0x80) | (u & 0x7F));
     return static_cast<uint8_t>(u >> 7);
-  }
-  case DType::fp16:
-    rest[0] = value[0];
+  } else if constexpr (D == DType::fp16) {
     return static_cast<uint8_t>(value[1]);
-  case DType::fp32: {
+  } else if constexpr (D == DType::fp32) {
     uint32_t u;
     std::memcpy(&u, value, 4);
-    uint32_t r = (u & 0x7FFFFFu) | ((u >> 31) << 23);
-    rest[0] = static_cast<std::byte>(r);
-    rest[1] = static_cast<std::byte>(r >> 8);
-    rest[2] = static_cast<std::byte>(r >> 16);
     return static_cast<uint8_t>(u >> 23);
-  }
-  default:
+  } else {
     return static_cast<uint8_t>(value[0]);
   }
 }
 
-inline void join(DType dtype, uint8_t symbol, const std::byte* rest, std::byte* value) {
-  switch (dtype) {
-  case DType::bf16: {
-    uint8_t r = static_cast<uint8_t>(rest[0]);
-    uint16_t u = static_cast<uint16_t>(((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F));
-    std::memcpy(value, &u, 2);
-    return;
+template <DType D> inline void rest_of(const std::byte* value, std::byte* rest) {
+  if constexpr (D == DType::bf16) {
+    uint16_t u;
+    std::memcpy(&u, value, 2);
+    rest[0] = static_cast<std::byte>(((u >> 8) & 0x80) | (u & 0x7F));
+  } else if constexpr (D == DType::fp16) {
+    rest[0] = value[0];
+  } else if constexpr (D == DType::fp32) {
+    uint32_t u;
+    std::memcpy(&u, value, 4);
+    const uint32_t r = (u & 0x7FFFFFu) | ((u >> 31) << 23);
+    rest[0] = static_cast<std::byte>(r);
+    rest[1] = static_cast<std::byte>(r >> 8);
+    rest[2] = static_cast<std::byte>(r >> 16);
   }
-  case DType::fp16:
+}
+
+template <DType D> inline void join(uint8_t symbol, const std::byte* rest, std::byte* value) {
+  if constexpr (D == DType::bf16) {
+    const auto r = static_cast<uint8_t>(rest[0]);
+    const auto u = static_cast<uint16_t>(((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F));
+    std::memcpy(value, &u, 2);
+  } else if constexpr (D == DType::fp16) {
     value[0] = rest[0];
     value[1] = static_cast<std::byte>(symbol);
-    return;
-  case DType::fp32: {
-    uint32_t r = static_cast<uint32_t>(rest[0]) | (static_cast<uint32_t>(rest[1]) << 8) |
-                 (static_cast<uint32_t>(rest[2]) << 16);
-    uint32_t u = ((r >> 23) << 31) | (static_cast<uint32_t>(symbol) << 23) | (r & 0x7FFFFFu);
+  } else if constexpr (D == DType::fp32) {
+    const uint32_t r = static_cast<uint32_t>(rest[0]) | (static_cast<uint32_t>(rest[1]) << 8) |
+                       (static_cast<uint32_t>(rest[2]) << 16);
+    const uint32_t u = ((r >> 23) << 31) | (static_cast<uint32_t>(symbol) << 23) | (r & 0x7FFFFFu);
     std::memcpy(value, &u, 4);
-    return;
-  }
-  default:
+  } else {
     value[0] = static_cast<std::byte>(symbol);
   }
 }
