@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "blockswap/core/error.hpp"
+#include "codec_chunk.hpp"
 #include "codec_impl.hpp"
 
 namespace blockswap::codec {
@@ -165,14 +166,7 @@ std::vector<std::byte> code_piece(DType dtype, std::span<const std::byte> bytes)
   }
 }
 
-uint64_t load_be64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return __builtin_bswap64(v);
-}
-
-// Decodes chunk c of segment s: values [first, first + n) from bits [begin, end). A damaged
-// chunk throws once decoded (what it wrote is garbage by then, never read outside the chunk).
+// Decodes chunk c of segment s (Error when it is damaged: `out` then holds garbage in it).
 template <DType D>
 void decode_chunk(const Segment& s, uint64_t c, std::span<const std::byte> block,
                   const uint16_t* table, std::byte* out) {
@@ -181,45 +175,12 @@ void decode_chunk(const Segment& s, uint64_t c, std::span<const std::byte> block
   const uint64_t n = std::min(kChunkValues, s.values - first);
   const uint64_t begin = get64(block, s.offsets_at + 8 * c);
   const uint64_t end = get64(block, s.offsets_at + 8 * (c + 1));
-  const auto* start = reinterpret_cast<const uint8_t*>(block.data() + s.bits_at + begin);
-  const uint8_t* p = start;
-  const uint8_t* e = start + (end - begin);
-  const std::byte* rest = block.data() + s.rest_at + first * (w - 1);
-  std::byte* value = out + s.out_offset + first * w;
-  uint64_t buf = 0;
-  int have = 0;
-  bool bad = false; // a code that is none, or bits past the chunk's end
-  uint64_t i = 0;
-  auto one = [&] {
-    const uint16_t entry = table[buf >> (64 - kMaxCodeBits)];
-    const int len = entry & 15;
-    bad |= len == 0 || len > have;
-    buf <<= len;
-    have -= len;
-    join<D>(static_cast<uint8_t>(entry >> 4), rest + i * (w - 1), value + i * w);
-    ++i;
-  };
-  // Four codes of at most 12 bits a refill of at least 56 bits.
-  static_assert(4 * kMaxCodeBits <= 56);
-  while (i + 4 <= n && e - p >= 8) {
-    buf |= load_be64(p) >> have;
-    p += (63 - have) >> 3;
-    have |= 56;
-    one();
-    one();
-    one();
-    one();
-  }
-  while (i < n && !bad) {
-    for (; have <= 56 && p < e; have += 8) buf |= static_cast<uint64_t>(*p++) << (56 - have);
-    one();
-  }
-  BLOCKSWAP_CHECK(!bad, "compressed block: segment at ", s.out_offset, ", chunk ", c,
-                  ": its bits are no codes of its table or end before its ", n, " values");
-  const uint64_t used = static_cast<uint64_t>(p - start) * 8 - have;
-  BLOCKSWAP_CHECK((end - begin) * 8 - used < 8, "compressed block: segment at ", s.out_offset,
-                  ", chunk ", c, ": its ", n, " values end ", (end - begin) * 8 - used,
-                  " bits before its bits do");
+  const auto* bits = reinterpret_cast<const uint8_t*>(block.data() + s.bits_at);
+  const auto* rest = reinterpret_cast<const uint8_t*>(block.data() + s.rest_at) + first * (w - 1);
+  auto* value = reinterpret_cast<uint8_t*>(out + s.out_offset) + first * w;
+  BLOCKSWAP_CHECK(chunk::decode<D>(bits + begin, bits + end, table, n, rest, value),
+                  "compressed block: segment at ", s.out_offset, ", chunk ", c,
+                  ": its bits are no codes of its table or do not end with its ", n, " values");
 }
 
 void decode_segment(const Segment& s, std::span<const std::byte> block, const uint16_t* table,

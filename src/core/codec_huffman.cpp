@@ -1,12 +1,12 @@
 // The codec's pieces that are not the format: length-limited Huffman code lengths, canonical
-// codes and their decode table, and xxHash64 (core/codec.hpp).
+// codes and their decode table, and the checksum (core/codec.hpp).
 #include <algorithm>
 #include <array>
-#include <cstring>
 #include <queue>
 
 #include "blockswap/core/codec.hpp"
 #include "blockswap/core/error.hpp"
+#include "codec_chunk.hpp"
 #include "codec_impl.hpp"
 
 namespace blockswap::codec {
@@ -67,104 +67,37 @@ std::array<uint8_t, 256> code_lengths(std::array<uint64_t, 256> counts) {
 }
 
 std::array<uint16_t, 256> canonical_codes(std::span<const uint8_t, 256> lengths) {
-  std::array<int, kMaxCodeBits + 1> per_length{};
-  for (uint8_t len : lengths) {
-    BLOCKSWAP_CHECK(len <= kMaxCodeBits, "compressed block: a code length of ", int(len),
-                    " bits, over the codec's ", kMaxCodeBits);
-    if (len > 0) ++per_length[len];
-  }
-  // Kraft: the codes must fit in 2^kMaxCodeBits leaves of the longest length.
-  uint64_t leaves = 0;
-  for (int len = 1; len <= kMaxCodeBits; ++len) {
-    leaves += static_cast<uint64_t>(per_length[len]) << (kMaxCodeBits - len);
-  }
-  BLOCKSWAP_CHECK(leaves <= (1u << kMaxCodeBits),
-                  "compressed block: its code lengths are no prefix code (Kraft sum ", leaves, "/",
-                  1u << kMaxCodeBits, ")");
-  std::array<uint32_t, kMaxCodeBits + 2> next{};
-  for (int len = 1; len <= kMaxCodeBits; ++len) {
-    next[len + 1] = (next[len] + per_length[len]) << 1;
-  }
   std::array<uint16_t, 256> codes{};
-  for (int s = 0; s < 256; ++s) {
-    if (lengths[s] > 0) codes[s] = static_cast<uint16_t>(next[lengths[s]]++);
+  if (!chunk::canonical_codes(lengths.data(), codes.data())) {
+    const uint8_t longest = *std::max_element(lengths.begin(), lengths.end());
+    BLOCKSWAP_CHECK(longest <= kMaxCodeBits, "compressed block: a code length of ", int(longest),
+                    " bits, over the codec's ", kMaxCodeBits);
+    BLOCKSWAP_CHECK(false, "compressed block: its code lengths are no prefix code");
   }
   return codes;
 }
 
 std::vector<uint16_t> decode_table(std::span<const uint8_t, 256> lengths) {
-  std::array<uint16_t, 256> codes = canonical_codes(lengths);
+  const std::array<uint16_t, 256> codes = canonical_codes(lengths);
   std::vector<uint16_t> table(size_t{1} << kMaxCodeBits, 0);
-  for (int s = 0; s < 256; ++s) {
-    int len = lengths[s];
-    if (len == 0) continue;
-    uint32_t first = static_cast<uint32_t>(codes[s]) << (kMaxCodeBits - len);
-    uint32_t span = 1u << (kMaxCodeBits - len);
-    std::fill_n(table.begin() + first, span, static_cast<uint16_t>((s << 4) | len));
-  }
+  for (int s = 0; s < 256; ++s) chunk::fill_table(s, lengths[s], codes[s], table.data());
   return table;
 }
 
-namespace {
-
-constexpr uint64_t P1 = 11400714785074694791ULL;
-constexpr uint64_t P2 = 14029467366897019727ULL;
-constexpr uint64_t P3 = 1609587929392839161ULL;
-constexpr uint64_t P4 = 9650029242287828579ULL;
-constexpr uint64_t P5 = 2870177450012600261ULL;
-
-inline uint64_t rotl(uint64_t x, int r) {
-  return (x << r) | (x >> (64 - r));
+uint64_t xxhash64(std::span<const std::byte> bytes) {
+  return chunk::xxhash64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
 }
-inline uint64_t read64(const std::byte* p) {
-  uint64_t v;
-  std::memcpy(&v, p, 8);
-  return v;
-}
-inline uint32_t read32(const std::byte* p) {
-  uint32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-inline uint64_t round(uint64_t acc, uint64_t input) {
-  return rotl(acc + input * P2, 31) * P1;
-}
-inline uint64_t merge(uint64_t acc, uint64_t v) {
-  return (acc ^ round(0, v)) * P1 + P4;
-}
-
-} // namespace
 
 uint64_t checksum(std::span<const std::byte> bytes) {
-  const std::byte* p = bytes.data();
-  const std::byte* end = p + bytes.size();
-  uint64_t h;
-  if (bytes.size() >= 32) {
-    uint64_t v1 = P1 + P2, v2 = P2, v3 = 0, v4 = 0 - P1;
-    for (; p + 32 <= end; p += 32) {
-      v1 = round(v1, read64(p));
-      v2 = round(v2, read64(p + 8));
-      v3 = round(v3, read64(p + 16));
-      v4 = round(v4, read64(p + 24));
-    }
-    h = rotl(v1, 1) + rotl(v2, 7) + rotl(v3, 12) + rotl(v4, 18);
-    h = merge(merge(merge(merge(h, v1), v2), v3), v4);
-  } else {
-    h = P5;
+  const uint64_t pages = (bytes.size() + kChecksumPage - 1) / kChecksumPage;
+  std::vector<uint8_t> hashes(pages * 8);
+  for (uint64_t i = 0; i < pages; ++i) {
+    const uint64_t h =
+        xxhash64(bytes.subspan(i * kChecksumPage)
+                     .first(std::min<uint64_t>(kChecksumPage, bytes.size() - i * kChecksumPage)));
+    for (int b = 0; b < 8; ++b) hashes[i * 8 + b] = static_cast<uint8_t>(h >> (8 * b));
   }
-  h += bytes.size();
-  for (; p + 8 <= end; p += 8) h = rotl(h ^ round(0, read64(p)), 27) * P1 + P4;
-  if (p + 4 <= end) {
-    h = rotl(h ^ (static_cast<uint64_t>(read32(p)) * P1), 23) * P2 + P3;
-    p += 4;
-  }
-  for (; p < end; ++p) h = rotl(h ^ (static_cast<uint64_t>(*p) * P5), 11) * P1;
-  h ^= h >> 33;
-  h *= P2;
-  h ^= h >> 29;
-  h *= P3;
-  h ^= h >> 32;
-  return h;
+  return chunk::xxhash64(hashes.data(), hashes.size());
 }
 
 } // namespace blockswap::codec

@@ -1,6 +1,5 @@
-// The codec's internals shared by its files (core/codec.hpp): the Huffman code and how a value
-// splits into its symbol and its rest. src/device/cuda/codec_decode.cu mirrors join() (Note
-// [codec value split]).
+// The codec's encoding internals shared by its files (core/codec.hpp): the Huffman code and how
+// a value splits into its symbol and its rest; decoding's are in codec_chunk.hpp.
 #pragma once
 
 #include <array>
@@ -20,8 +19,8 @@ std::array<uint8_t, 256> code_lengths(std::array<uint64_t, 256> counts);
 std::array<uint16_t, 256> canonical_codes(std::span<const uint8_t, 256> lengths);
 
 // Note [codec value split]: a value of `width` bytes (little-endian) is one symbol byte and
-// width-1 rest bytes; (symbol_of, rest_of) and join are inverse bijections on every bit pattern, so
-// any bytes of the right size round-trip, floating-point or not.
+// width-1 rest bytes; (symbol_of, rest_of) and chunk::join (codec_chunk.hpp) are inverse bijections
+// on every bit pattern, so any bytes of the right size round-trip, floating-point or not.
 //   bf16: symbol = exponent (bits 14..7); rest = sign << 7 | mantissa (7 bits)
 //   fp16: symbol = high byte; rest = low byte
 //   fp32: symbol = exponent (bits 30..23); rest = 3 bytes of sign << 23 | mantissa (23 bits)
@@ -60,24 +59,6 @@ template <DType D> inline void rest_of(const std::byte* value, std::byte* rest) 
     rest[0] = static_cast<std::byte>(r);
     rest[1] = static_cast<std::byte>(r >> 8);
     rest[2] = static_cast<std::byte>(r >> 16);
-  }
-}
-
-template <DType D> inline void join(uint8_t symbol, const std::byte* rest, std::byte* value) {
-  if constexpr (D == DType::bf16) {
-    const auto r = static_cast<uint8_t>(rest[0]);
-    const auto u = static_cast<uint16_t>(((r & 0x80) << 8) | (symbol << 7) | (r & 0x7F));
-    std::memcpy(value, &u, 2);
-  } else if constexpr (D == DType::fp16) {
-    value[0] = rest[0];
-    value[1] = static_cast<std::byte>(symbol);
-  } else if constexpr (D == DType::fp32) {
-    const uint32_t r = static_cast<uint32_t>(rest[0]) | (static_cast<uint32_t>(rest[1]) << 8) |
-                       (static_cast<uint32_t>(rest[2]) << 16);
-    const uint32_t u = ((r >> 23) << 31) | (static_cast<uint32_t>(symbol) << 23) | (r & 0x7FFFFFu);
-    std::memcpy(value, &u, 4);
-  } else {
-    value[0] = static_cast<std::byte>(symbol);
   }
 }
 

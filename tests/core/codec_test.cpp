@@ -66,7 +66,7 @@ std::vector<std::byte> round_trip(std::span<const std::byte> raw, std::span<cons
 
 TEST(Codec, ChecksumIsXxHash64) {
   auto of = [](std::string_view s) {
-    return codec::checksum(std::as_bytes(std::span(s.data(), s.size())));
+    return codec::xxhash64(std::as_bytes(std::span(s.data(), s.size())));
   };
   EXPECT_EQ(of(""), 0xEF46DB3751D8E999ull);
   EXPECT_EQ(of("abc"), 0x44BC2CF5AD770999ull);
@@ -76,6 +76,18 @@ TEST(Codec, ChecksumIsXxHash64) {
   }
   long_input += "blockswap";
   EXPECT_EQ(of(long_input), 0x71D0DFB47EE21B17ull); // python xxhash.xxh64(seed=0)
+  // The checksum hashes the pages' hashes.
+  std::vector<std::byte> big(codec::kChecksumPage * 2 + 5, std::byte{3});
+  auto page_hash = [&](size_t at, size_t n) {
+    return codec::xxhash64(std::span(big).subspan(at, n));
+  };
+  std::vector<std::byte> hashes;
+  for (uint64_t h :
+       {page_hash(0, codec::kChecksumPage), page_hash(codec::kChecksumPage, codec::kChecksumPage),
+        page_hash(2 * codec::kChecksumPage, 5)}) {
+    for (int b = 0; b < 8; ++b) hashes.push_back(static_cast<std::byte>(h >> (8 * b)));
+  }
+  EXPECT_EQ(codec::checksum(big), codec::xxhash64(hashes));
 }
 
 TEST(Codec, EveryDtypeRoundTripsAndShrinks) {

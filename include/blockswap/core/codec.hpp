@@ -17,7 +17,7 @@
 //
 // The format (little-endian):
 //   header   magic u32 "BSZ1", version u16, flags u16 (1: stored raw), segments u32, 0 u32,
-//            decoded bytes u64, checksum u64 (xxHash64, seed 0, of the decoded bytes)
+//            decoded bytes u64, checksum u64 (checksum() of the decoded bytes)
 //   stored raw: the decoded bytes follow
 //   otherwise a table of `segments` entries {dtype u8, 0 u8[7], out bytes u64, payload u64},
 //   then each segment's payload in order. The segments tile the decoded bytes in order. A raw
@@ -94,8 +94,13 @@ uint64_t decoded_size(std::span<const std::byte> block);
 // a chunk that does not end where its offsets say, or the checksum of what was decoded.
 void decode(std::span<const std::byte> block, std::span<std::byte> out);
 
-// xxHash64 (seed 0) of bytes: the block's checksum.
+// The block's checksum: xxHash64 (seed 0) of the xxHash64s (u64 little-endian) of each
+// kChecksumPage bytes (the last page shorter), so that a GPU hashes pages in parallel.
+inline constexpr uint64_t kChecksumPage = 64 * 1024;
 uint64_t checksum(std::span<const std::byte> bytes);
+
+// xxHash64 (seed 0) of bytes.
+uint64_t xxhash64(std::span<const std::byte> bytes);
 
 // The decode table of a segment's code lengths: 2^kMaxCodeBits entries, each
 // (symbol << 4) | code length, 0 where no code starts (only for a code that is not complete).
