@@ -120,14 +120,24 @@ BLOCKSWAP_HD bool decode(const uint8_t* p, const uint8_t* e, const uint16_t* tab
   return !bad && static_cast<uint64_t>(e - start) * 8 - used < 8;
 }
 
+namespace xxh {
+inline constexpr uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL;
+inline constexpr uint64_t P3 = 1609587929392839161ULL, P4 = 9650029242287828579ULL;
+inline constexpr uint64_t P5 = 2870177450012600261ULL;
+BLOCKSWAP_HD uint64_t rotl(uint64_t x, int r) {
+  return (x << r) | (x >> (64 - r));
+}
+BLOCKSWAP_HD uint64_t round(uint64_t acc, uint64_t input) {
+  return rotl(acc + input * P2, 31) * P1;
+}
+BLOCKSWAP_HD uint64_t merge(uint64_t acc, uint64_t v) {
+  return (acc ^ round(0, v)) * P1 + P4;
+}
+} // namespace xxh
+
 // xxHash64 (seed 0) of n bytes.
 BLOCKSWAP_HD uint64_t xxhash64(const uint8_t* p, uint64_t n) {
-  constexpr uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL;
-  constexpr uint64_t P3 = 1609587929392839161ULL, P4 = 9650029242287828579ULL;
-  constexpr uint64_t P5 = 2870177450012600261ULL;
-  auto rotl = [](uint64_t x, int r) { return (x << r) | (x >> (64 - r)); };
-  auto round = [&](uint64_t acc, uint64_t input) { return rotl(acc + input * P2, 31) * P1; };
-  auto merge = [&](uint64_t acc, uint64_t v) { return (acc ^ round(0, v)) * P1 + P4; };
+  using namespace xxh;
   const uint8_t* const end = p + n;
   uint64_t h;
   if (n >= 32) {
