@@ -1,10 +1,11 @@
 // The codec on one core (core/codec.hpp): ratio, encode and decode GB/s (of decoded bytes), and
 // the checksum's share of the decode, over files of bf16 values or synthetic weights.
 //
-//   build/bench/codec_bench                       # synthetic normal(0, 0.02) bf16, 64 MiB
+//   build/bench/codec_bench                       # synthetic normal(0, 0.02), every dtype
 //   build/bench/codec_bench --dtype fp32 FILE...  # each FILE's bytes as values of the dtype
 //
 // bench/python/compression_bench.py --dump DIR writes trained and random weights' bf16 bytes.
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -68,17 +69,38 @@ int main(int argc, char** argv) {
   std::printf("|---|---|---|---|---|---|---|\n");
   try {
     if (files.empty()) {
+      // 32 M values of normal(0, 0.02) in each dtype (bf16 and fp8 e4m3 by truncation).
       std::mt19937 rng(0);
       std::normal_distribution<float> normal(0.0f, 0.02f);
-      std::vector<std::byte> raw(64u << 20);
-      for (size_t i = 0; i + 1 < raw.size(); i += 2) {
+      std::vector<uint32_t> values(32u << 20);
+      for (uint32_t& v : values) {
         float f = normal(rng);
-        uint32_t u;
-        std::memcpy(&u, &f, 4);
-        uint16_t h = static_cast<uint16_t>(u >> 16);
-        std::memcpy(raw.data() + i, &h, 2);
+        std::memcpy(&v, &f, 4);
       }
-      measure("synthetic normal(0, 0.02)", raw, codec::DType::bf16);
+      for (codec::DType d :
+           {codec::DType::bf16, codec::DType::fp16, codec::DType::fp32, codec::DType::fp8}) {
+        const int w = codec::width(d);
+        std::vector<std::byte> raw(values.size() * w);
+        for (size_t i = 0; i < values.size(); ++i) {
+          const uint32_t u = values[i];
+          uint32_t v = u;
+          if (d == codec::DType::bf16) v = u >> 16;
+          if (d == codec::DType::fp16) {
+            float f;
+            std::memcpy(&f, &u, 4);
+            const _Float16 h = static_cast<_Float16>(f);
+            uint16_t bits;
+            std::memcpy(&bits, &h, 2);
+            v = bits;
+          }
+          if (d == codec::DType::fp8) {
+            const int e = std::clamp(static_cast<int>((u >> 23) & 0xFF) - 127 + 7, 0, 15);
+            v = ((u >> 24) & 0x80) | (e << 3) | ((u >> 20) & 7);
+          }
+          std::memcpy(raw.data() + i * w, &v, w); // little-endian: the low bytes
+        }
+        measure("synthetic normal(0, 0.02)", raw, d);
+      }
     }
     for (const std::string& f : files) {
       std::ifstream in(f, std::ios::binary);
