@@ -19,7 +19,6 @@ own guard refuses without a ZeRO optimizer ("Direct calls to tensor.backward() a
 supported in this configuration ... (2) using ZeRO stage 0", deepspeed/runtime/engine.py:2322).
 """
 import datetime
-import json
 import os
 import sys
 
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import blockswap
-from distributed_worker import DIM, Block
+from distributed_worker import DIM, Block, write_result
 
 BLOCKS, STEPS, MICRO, ACCUMULATION, TOKENS = 8, 2, 2, 4, 8
 
@@ -128,10 +127,7 @@ def main():
     except Exception as e:  # what a trainer would see, for the test to check
         import traceback
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(job_dir, f"rank-{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
-              os.path.join(job_dir, f"rank-{rank}.json"))
+    write_result(job_dir, rank, result)
     dist.barrier()
     dist.destroy_process_group()
 

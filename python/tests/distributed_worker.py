@@ -91,6 +91,15 @@ def train(rank, scenario, swapped, group, first):
     return adapters, use
 
 
+def write_result(job_dir, rank, result):
+    """This rank's result, as the test reads it: rank-<rank>.json in the job's folder, whole
+    (written beside it, then renamed)."""
+    path = os.path.join(job_dir, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.rename(path + ".tmp", path)
+
+
 def main():
     rank, world, job_dir, scenario = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                       sys.argv[4])
@@ -117,10 +126,7 @@ def main():
         result["copy_bytes"] = BLOCKS * block_bytes
     except Exception as e:  # what a trainer would see, for the test to check
         result["error"] = f"{type(e).__name__}: {e}"
-    with open(os.path.join(job_dir, f"rank-{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
-              os.path.join(job_dir, f"rank-{rank}.json"))
+    write_result(job_dir, rank, result)
     dist.barrier()  # no rank tears its groups down while another still uses them
     dist.destroy_process_group()
 

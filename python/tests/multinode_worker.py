@@ -11,7 +11,6 @@ import time
 STARTED = time.time()  # before torch is imported: the rendezvous time below leaves it out
 
 import datetime  # noqa: E402
-import json
 import os
 import signal  # noqa: E402
 import socket  # noqa: E402
@@ -22,7 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import blockswap
-from distributed_worker import BLOCKS, DIM, SWAPPED, Block, Model
+from distributed_worker import BLOCKS, DIM, SWAPPED, Block, Model, write_result
 
 STEPS = 3
 
@@ -110,10 +109,7 @@ def main():
     except Exception as e:  # what a trainer would see, for the test to check
         result["error"] = f"{type(e).__name__}: {e}"
         result["failed_at"] = time.time()
-    with open(os.path.join(job_dir, f"rank-{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
-              os.path.join(job_dir, f"rank-{rank}.json"))
+    write_result(job_dir, rank, result)
     if "error" in result:
         sys.exit(1)
     dist.barrier()

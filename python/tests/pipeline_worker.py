@@ -5,7 +5,6 @@ STEPS steps once without blockswap and once with each stage's blocks swapped by 
 ModelOffloader (the emulated device); writes the losses, gradients and adapters' equality and
 each stage's loads per step to JOB_DIR/rank-RANK.json."""
 import datetime
-import json
 import os
 import sys
 
@@ -14,7 +13,7 @@ import torch.distributed as dist
 from torch.distributed import pipelining
 
 import blockswap
-from distributed_worker import DIM, Block
+from distributed_worker import DIM, Block, write_result
 
 BLOCKS, STEPS, BATCH, TOKENS = 12, 2, 16, 8
 SCHEDULES = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
@@ -145,10 +144,7 @@ def main():
     except Exception as e:  # what a trainer would see, for the test to check
         import traceback
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    with open(os.path.join(job_dir, f"rank-{rank}.json.tmp"), "w") as f:
-        json.dump(result, f)
-    os.rename(os.path.join(job_dir, f"rank-{rank}.json.tmp"),
-              os.path.join(job_dir, f"rank-{rank}.json"))
+    write_result(job_dir, rank, result)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -14,10 +14,12 @@
 #include <string_view>
 
 #include "blockswap/core/error.hpp"
+#include "codec_weights.hpp"
 
 using blockswap::codec::DType;
 using blockswap::codec::Range;
 namespace codec = blockswap::codec;
+using blockswap::codec_testing::weights;
 
 namespace {
 
@@ -25,34 +27,6 @@ std::vector<std::byte> random_bytes(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<std::byte> out(n);
   for (auto& b : out) b = static_cast<std::byte>(rng());
-  return out;
-}
-
-// Values as trained weights hold them: normal, scale 0.02, in the dtype's bytes.
-std::vector<std::byte> weights(DType dtype, size_t values, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
-  std::vector<std::byte> out(values * codec::width(dtype));
-  for (size_t i = 0; i < values; ++i) {
-    float f = normal(rng);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    std::byte* v = out.data() + i * codec::width(dtype);
-    if (dtype == DType::fp32) {
-      std::memcpy(v, &u, 4);
-    } else if (dtype == DType::bf16) {
-      uint16_t h = static_cast<uint16_t>(u >> 16);
-      std::memcpy(v, &h, 2);
-    } else if (dtype == DType::fp16) { // exponent rebased, mantissa truncated; no subnormals
-      int e = static_cast<int>((u >> 23) & 0xFF) - 127 + 15;
-      uint16_t h = static_cast<uint16_t>(((u >> 16) & 0x8000) | (e > 0 ? (e << 10) : 0) |
-                                         ((u >> 13) & 0x3FF));
-      std::memcpy(v, &h, 2);
-    } else { // fp8 e4m3-like: sign, 4 exponent bits, 3 mantissa bits
-      int e = std::clamp(static_cast<int>((u >> 23) & 0xFF) - 127 + 7, 0, 15);
-      v[0] = static_cast<std::byte>(((u >> 24) & 0x80) | (e << 3) | ((u >> 20) & 7));
-    }
-  }
   return out;
 }
 

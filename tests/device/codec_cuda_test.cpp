@@ -14,6 +14,7 @@
 #include <random>
 #include <vector>
 
+#include "../core/codec_weights.hpp"
 #include "blockswap/core/codec.hpp"
 #include "blockswap/core/error.hpp"
 
@@ -78,26 +79,7 @@ protected:
   cudaStream_t stream_ = nullptr;
 };
 
-std::vector<std::byte> weights(DType dtype, size_t values, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.02f);
-  std::vector<std::byte> out(values * codec::width(dtype));
-  for (size_t i = 0; i < values; ++i) {
-    float f = normal(rng);
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    std::byte* v = out.data() + i * codec::width(dtype);
-    if (dtype == DType::fp32) {
-      std::memcpy(v, &u, 4);
-    } else if (dtype == DType::bf16 || dtype == DType::fp16) { // fp16: bf16's bits will do
-      uint16_t h = static_cast<uint16_t>(u >> 16);
-      std::memcpy(v, &h, 2);
-    } else {
-      v[0] = static_cast<std::byte>(u >> 24);
-    }
-  }
-  return out;
-}
+using codec_testing::weights;
 
 TEST_F(CodecCudaTest, EveryDtypeAndSizeMatchesTheReference) {
   for (DType dtype : {DType::bf16, DType::fp16, DType::fp32, DType::fp8}) {
