@@ -28,7 +28,8 @@ struct File {
            ("blockswap_name_map_" +
             std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()) +
             ".safetensors");
-    std::vector<float> qkv(3 * kH * kH), bias(3 * kH), lin1(7 * kH * kH), scale(kH);
+    std::vector<float> qkv(3 * kH * kH), bias(3 * kH), lin1(7 * kH * kH), scale(kH),
+        modulation(2 * kH);
     std::iota(qkv.begin(), qkv.end(), 0.0f);
     std::iota(bias.begin(), bias.end(), 1000.0f);
     std::iota(lin1.begin(), lin1.end(), 2000.0f);
@@ -42,7 +43,7 @@ struct File {
          {prefix + "double_blocks.0.img_mlp.2.weight", "F8_E4M3", {kH, kH}, fp8.data()},
          {prefix + "double_blocks.0.img_mlp.2.weight_scale", "F32", {}, &one},
          {prefix + "single_blocks.1.linear1.weight", "F32", {7 * kH, kH}, lin1.data()},
-         {prefix + "final_layer.adaLN_modulation.1.weight", "F32", {2 * kH}, scale.data()}});
+         {prefix + "final_layer.adaLN_modulation.1.weight", "F32", {2 * kH}, modulation.data()}});
     checkpoint = open_checkpoint(path.string());
   }
   ~File() { fs::remove(path); }
