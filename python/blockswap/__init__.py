@@ -28,10 +28,11 @@ from ._distributed import node_memory_use  # noqa: E402
 from ._offload import Offloaded, offload, plan_offload  # noqa: E402
 from ._offloader import ModelOffloader, open_device  # noqa: E402
 from ._optim import FusedAdamW, FusedSGD  # noqa: E402
+from ._pipeline import stage_loads  # noqa: E402
 
 __all__ = ["offload", "plan_offload", "Offloaded", "ModelOffloader", "Device", "open_device", "Error", "InvalidArgumentError",
            "OutOfMemoryError", "FusedSGD", "FusedAdamW", "node_memory_use",
-           "saved_activation_bytes"]
+           "saved_activation_bytes", "stage_loads"]
 
 Error = _C.Error
 InvalidArgumentError = _C.InvalidArgumentError  # an option out of range; also a ValueError

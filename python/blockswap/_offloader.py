@@ -99,7 +99,9 @@ class ModelOffloader:
     ``use_pinned_memory`` (no effect: blockswap pins its host copy wherever it can).
 
     Keyword-only extras: ``rotating_slots`` (inference: slots the swapped blocks rotate
-    through), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
+    through), ``training_rotating_slots`` (training, for a pipeline stage whose forwards or
+    backwards come in a row: K+R blocks rotate through R slots, so each such turn reloads R
+    blocks instead of K; docs/distributed.md, "Pipeline stages"), ``device_budget_bytes`` (with ``blocks_to_swap=-1`` the planner chooses K),
     ``shared_device`` (from ``open_device``: one device for several offloaders), ``trace`` (a
     Chrome trace file written at ``close()``), ``emulated_link_gbps`` and
     ``emulated_capacity_bytes`` (the emulated device, ``device='cpu'``), ``hook_blocks``
@@ -156,7 +158,7 @@ class ModelOffloader:
 
     def __init__(self, block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                  device, reentrant_activation_checkpointing=False, debug=False, *,
-                 rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
+                 rotating_slots=0, training_rotating_slots=0, device_budget_bytes=0, shared_device=None, trace=None,
                  emulated_link_gbps=0.0, emulated_capacity_bytes=0, optimizer=None,
                  gradient_accumulation_steps=1, max_grad_norm_per_parameter=0.0,
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
@@ -169,6 +171,7 @@ class ModelOffloader:
         self._arguments = ((block_type, blocks, num_blocks, blocks_to_swap, supports_backward,
                             device, reentrant_activation_checkpointing, debug),
                            dict(rotating_slots=rotating_slots,
+                                training_rotating_slots=training_rotating_slots,
                                 device_budget_bytes=device_budget_bytes,
                                 shared_device=shared_device, trace=trace,
                                 emulated_link_gbps=emulated_link_gbps,
@@ -234,6 +237,7 @@ class ModelOffloader:
             device=_device_name(device),
             reentrant_activation_checkpointing=self.reentrant_activation_checkpointing,
             debug=bool(debug), rotating_slots=rotating_slots,
+            training_rotating_slots=training_rotating_slots,
             device_budget_bytes=device_budget_bytes, shared_device=shared_device,
             trace=_C.Trace() if trace is not None else None,
             emulated_link_gbps=emulated_link_gbps,

@@ -231,6 +231,7 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("blocks_to_swap", &Options::blocks_to_swap)
       .def_readwrite("supports_backward", &Options::supports_backward)
       .def_readwrite("rotating_slots", &Options::rotating_slots)
+      .def_readwrite("training_rotating_slots", &Options::training_rotating_slots)
       .def_readwrite("debug", &Options::debug)
       .def_readwrite("trace", &Options::trace)
       .def_property(

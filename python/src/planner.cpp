@@ -10,7 +10,9 @@
 #include <utility>
 #include <vector>
 
+#include "blockswap/core/error.hpp"
 #include "blockswap/core/planner.hpp"
+#include "blockswap/core/schedule.hpp"
 #include "blockswap/torch.hpp"
 
 namespace py = pybind11;
@@ -74,6 +76,20 @@ void bind_planner(py::module_& m) {
         return to_dict(plan_for(lists, blocks_to_swap, mode_of(training), fixed_bytes));
       },
       py::arg("lists"), py::arg("blocks_to_swap"), py::arg("training"), py::arg("fixed_bytes"));
+  m.def(
+      "stage_loads",
+      [](const std::string& schedule, int64_t stages, int64_t stage, int64_t micro_batches,
+         int64_t blocks, int64_t blocks_to_swap, int64_t training_rotating_slots) {
+        BLOCKSWAP_CHECK_ARGUMENT(schedule == "gpipe" || schedule == "1f1b",
+                                 "schedule must be 'gpipe' or '1f1b', got '", schedule, "'");
+        const PipelineSchedule kind =
+            schedule == "gpipe" ? PipelineSchedule::gpipe : PipelineSchedule::one_f_one_b;
+        const Schedule s(
+            ScheduleOptions{blocks, blocks_to_swap, Mode::training, training_rotating_slots});
+        return s.loads(pipeline_halves(kind, stages, stage, micro_batches));
+      },
+      py::arg("schedule"), py::arg("stages"), py::arg("stage"), py::arg("micro_batches"),
+      py::arg("blocks"), py::arg("blocks_to_swap"), py::arg("training_rotating_slots"));
 }
 
 } // namespace blockswap

@@ -1,8 +1,9 @@
 """One rank of the pipeline-parallel jobs test_pipeline.py runs (python pipeline_worker.py RANK
-WORLD_SIZE JOB_DIR SCHEDULE MICROBATCHES VERBS): a model of BLOCKS blocks (frozen base weights,
+WORLD_SIZE JOB_DIR SCHEDULE MICROBATCHES VERBS [ROTATING]): a model of BLOCKS blocks (frozen base weights,
 LoRA adapters) split into stages by torch.distributed.pipelining (Gloo, CPU ranks), trained
 STEPS steps once without blockswap and once with each stage's blocks swapped by its own
-ModelOffloader (the emulated device); writes the losses, gradients and adapters' equality and
+ModelOffloader (the emulated device, training_rotating_slots=ROTATING, 0 when not given);
+writes the losses, gradients and adapters' equality and
 each stage's loads per step to JOB_DIR/rank-RANK.json."""
 import datetime
 import os
@@ -24,7 +25,7 @@ class Stage(torch.nn.Module):
     """A stage's share of the blocks; with an offloader, the stage swaps them itself: every
     forward (one per micro-batch) is a pass of its own, so it starts with prepare."""
 
-    def __init__(self, blocks, swapped, verbs):
+    def __init__(self, blocks, swapped, verbs, rotating=0):
         super().__init__()
         self.blocks = torch.nn.ModuleList(blocks)
         self.verbs = verbs
@@ -33,7 +34,7 @@ class Stage(torch.nn.Module):
             k = len(blocks) // 2
             self.offloader = blockswap.ModelOffloader(
                 "stage", self.blocks, len(blocks), k, True, "cpu", False,
-                hook_blocks=not verbs)
+                hook_blocks=not verbs, training_rotating_slots=rotating)
 
     def forward(self, x):
         o = self.offloader
@@ -52,14 +53,15 @@ def loss_fn(output, target):
     return (output - target).pow(2).mean()
 
 
-def train(rank, world, schedule_name, microbatches, swapped, verbs):
+def train(rank, world, schedule_name, microbatches, swapped, verbs, rotating=0):
     stages_per_rank = 2 if schedule_name == "interleaved" else 1
     num_stages = world * stages_per_rank
     per_stage = BLOCKS // num_stages
     torch.manual_seed(0)  # the same model on every rank: each keeps its stages' blocks
     blocks = [Block() for _ in range(BLOCKS)]
     indices = [rank + world * j for j in range(stages_per_rank)]  # looped, as interleaved wants
-    modules = [Stage(blocks[s * per_stage:(s + 1) * per_stage], swapped, verbs) for s in indices]
+    modules = [Stage(blocks[s * per_stage:(s + 1) * per_stage], swapped, verbs, rotating)
+               for s in indices]
     stages = [pipelining.PipelineStage(m, s, num_stages, torch.device("cpu"))
               for m, s in zip(modules, indices)]
     kind = SCHEDULES[schedule_name]
@@ -127,6 +129,7 @@ def sequential_loads(blocks, microbatches):
 def main():
     rank, world, job_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     schedule_name, microbatches, verbs = sys.argv[4], int(sys.argv[5]), sys.argv[6] == "verbs"
+    rotating = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{job_dir}/store", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
@@ -134,7 +137,7 @@ def main():
     try:
         plain, _, n_losses, _ = train(rank, world, schedule_name, microbatches, False, verbs)
         swapped, loads, _, planned = train(rank, world, schedule_name, microbatches, True,
-                                           verbs)
+                                           verbs, rotating)
         result["compared"] = len(plain)
         result["losses"] = n_losses
         result["exact"] = len(plain) == len(swapped) and all(

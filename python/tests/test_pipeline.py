@@ -2,7 +2,8 @@
 stage's blocks swapped by its own ModelOffloader: losses, gradients and adapters bitwise equal
 to the same pipeline without blockswap, and each stage's block loads per step counted against
 the loads of the same micro-batches run one after another (each forward, then its backward:
-the order blockswap's schedule plans for). Real processes: each rank is pipeline_worker.py."""
+the order blockswap's schedule plans for) and against blockswap.stage_loads, which predicts
+them. Real processes: each rank is pipeline_worker.py."""
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ import sys
 import time
 
 import pytest
+
+import blockswap
 
 pytest.importorskip("torch.distributed.pipelining")
 
@@ -53,9 +56,9 @@ def run_ranks(worker, job, args, world=WORLD, timeout=180):
     return results
 
 
-def run_job(tmp_path, schedule, microbatches, verbs="verbs"):
-    results = run_ranks(WORKER, tmp_path / f"pipe-{schedule}-{microbatches}-{verbs}",
-                        [schedule, microbatches, verbs])
+def run_job(tmp_path, schedule, microbatches, verbs="verbs", rotating=0):
+    results = run_ranks(WORKER, tmp_path / f"pipe-{schedule}-{microbatches}-{verbs}-{rotating}",
+                        [schedule, microbatches, verbs, rotating])
     assert results[-1]["losses"] == microbatches  # the last stage saw every micro-batch's loss
     return results
 
@@ -70,23 +73,34 @@ def steady_loads(results):
     return loads, sequential
 
 
+@pytest.mark.parametrize("rotating", [0, 2])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_gpipe_is_exact_and_reloads_each_pass(tmp_path, microbatches):
-    loads, sequential = steady_loads(run_job(tmp_path, "gpipe", microbatches))
+def test_gpipe_is_exact_and_loads_what_stage_loads_predicts(tmp_path, microbatches, rotating):
+    loads, sequential = steady_loads(run_job(tmp_path, "gpipe", microbatches, rotating=rotating))
+    # All forwards, then all backwards: each forward after the first puts back R blocks the one
+    # before evicted, each backward after the first R its forward ended with (R = K = 3 in the
+    # seed's layout, else the rotating slots).
+    turn = K if rotating == 0 else rotating
     for stage in (0, 1):
         assert sequential[stage] == 2 * K * microbatches  # the plan: K up, K down per pass
-        # All forwards, then all backwards: every pass but one reloads its stage's K resident
-        # blocks at its start (prepare) and every backward reloads the K its forward evicted.
-        assert loads[stage] == sequential[stage] + 2 * K * (microbatches - 1), loads
+        assert loads[stage] == blockswap.stage_loads("gpipe", WORLD, stage, microbatches,
+                                                     2 * K, K, rotating), loads
+        assert loads[stage] == sequential[stage] + 2 * turn * (microbatches - 1), loads
 
 
+@pytest.mark.parametrize("rotating", [0, 2])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_1f1b_is_exact_and_only_its_warmup_reloads(tmp_path, microbatches):
-    loads, sequential = steady_loads(run_job(tmp_path, "1f1b", microbatches))
+def test_1f1b_is_exact_and_only_its_warmup_reloads(tmp_path, microbatches, rotating):
+    loads, sequential = steady_loads(run_job(tmp_path, "1f1b", microbatches, rotating=rotating))
+    for stage in (0, 1):
+        assert loads[stage] == blockswap.stage_loads("1f1b", WORLD, stage, microbatches,
+                                                     2 * K, K, rotating), loads
     # The last stage alternates forward and backward: exactly the plan.
     assert loads[1] == sequential[1] == 2 * K * microbatches, loads
-    # The first stage runs WORLD-1 warm-up forwards ahead of its backwards: each costs a reload.
-    assert loads[0] == sequential[0] + 2 * K * (WORLD - 1), loads
+    # The first stage runs WORLD-1 warm-up forwards ahead of its backwards: each turn from a
+    # forward to a forward, and later from a backward to a backward, reloads R blocks.
+    turn = K if rotating == 0 else rotating
+    assert loads[0] == sequential[0] + 2 * turn * (WORLD - 1), loads
 
 
 @pytest.mark.parametrize("microbatches", [4, 8])

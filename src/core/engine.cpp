@@ -33,7 +33,9 @@ ScheduleOptions schedule_options(std::size_t blocks, const EngineOptions& option
     Schedule::check(static_cast<int64_t>(blocks), options.blocks_to_swap, Mode::training);
   }
   return ScheduleOptions{static_cast<int64_t>(blocks), options.blocks_to_swap, mode,
-                         options.rotating_slots, options.algorithm};
+                         mode == Mode::training ? options.training_rotating_slots
+                                                : options.rotating_slots,
+                         options.algorithm};
 }
 
 // Where scarce host memory goes first (core/planner.hpp, host_priority): the blocks the mode the

@@ -57,6 +57,7 @@ struct Engine::Impl {
   void place(int64_t block, int64_t slot);
   int64_t victim_for(int64_t block) const;
   void prefetch_after_backward(int64_t block);
+  void prefetch_backward_start(int64_t block); // Note [a backward after a backward]
   void write_back(int64_t block);
   void commit(int64_t block);
   void wait_like_the_seed(int64_t slot);

@@ -30,9 +30,12 @@ std::string format_seconds(double seconds) {
 
 } // namespace
 
-// prepare() restores the set of blocks the schedule starts with. Which slot a block sits in
-// does not matter (all slots have the same size), so a block already on the device stays
-// where it is and nothing is copied in the steady state.
+// prepare() restores the set of blocks the schedule starts with. A block already on the device
+// stays where it is, so nothing is copied in the steady state; a block it loads goes back into
+// the slot it was last computed in when that slot is free: a forward after a forward (a
+// pipeline stage's micro-batches) then puts every block where the first forward had it, which
+// the backwards of both need (Note [exact backward]; Note [training rotation] in
+// schedule.cpp). Otherwise which slot does not matter: all slots have the same size.
 //
 // When it has to place blocks itself (the first pass, after a mode change, disable or
 // enable) it is synchronous, as the seed's is, and leaves every block ready. In the steady
@@ -43,6 +46,11 @@ void Engine::prepare() {
   std::lock_guard lock(impl_->mutex_);
   const int64_t n = blocks();
   const std::vector<int64_t>& initial = impl_->current().initial_slots();
+  // A forward after a forward (a pipeline stage's warm-up): the blocks put back are waited for
+  // when they compute, like a pass's own loads, so that they overlap the last forward's tail.
+  const bool turn = impl_->training() && impl_->enabled_ && impl_->backward_started_.empty() &&
+                    std::any_of(impl_->blocks_.begin(), impl_->blocks_.end(),
+                                [](const Impl::BlockState& b) { return b.forwarded; });
   const auto needed = impl_->enabled_ ? impl_->current().slots() : n;
   auto wanted = [&](int64_t b) { return !impl_->enabled_ || initial[b] >= 0; };
   impl_->ensure_slots(needed);
@@ -56,17 +64,30 @@ void Engine::prepare() {
     if (impl_->blocks_[b].slot < 0 && wanted(b)) loads.push_back(b);
   }
   impl_->loads_.start_pass(loads);
+  std::vector<int64_t> slot_of(n, -1);
+  for (int64_t b : loads) {
+    const int64_t s = impl_->slot_index(impl_->blocks_[b].computed_in);
+    if (s < 0 || s >= needed || impl_->slots_[s].block >= 0) continue;
+    if (std::find(slot_of.begin(), slot_of.end(), s) == slot_of.end()) slot_of[b] = s;
+  }
   int64_t free_slot = 0;
-  for (int64_t b = 0; b < n; ++b) {
-    if (!wanted(b) || impl_->blocks_[b].slot >= 0) continue;
-    while (impl_->slots_[free_slot].block >= 0) ++free_slot;
-    impl_->load(b, free_slot);
+  for (int64_t b : loads) {
+    if (slot_of[b] < 0) {
+      while (impl_->slots_[free_slot].block >= 0 ||
+             std::find(slot_of.begin(), slot_of.end(), free_slot) != slot_of.end()) {
+        ++free_slot;
+      }
+      slot_of[b] = free_slot++;
+    }
+  }
+  for (int64_t b : loads) { // in the order the load pipeline was told
+    impl_->load(b, slot_of[b]);
     placed = true;
   }
   impl_->backward_started_.clear(); // a new pass starts
   impl_->switched_since_prepare_ = false;
   for (Impl::BlockState& state : impl_->blocks_) state.forwarded = false;
-  if (!placed) return;
+  if (!placed || (turn && static_cast<int64_t>(impl_->slots_.size()) <= needed)) return;
   impl_->synchronize_locked();
   for (int64_t b = 0; b < n; ++b) {
     if (impl_->blocks_[b].slot < 0 || impl_->blocks_[b].ready) continue;

@@ -52,6 +52,8 @@ int64_t Engine::Impl::victim_for(int64_t block) const {
 void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
   std::lock_guard lock(impl_->mutex_);
   impl_->check_block(block);
+  const bool starts = impl_->backward_started_.empty() || impl_->backward_started_.back() < block;
+  if (starts && impl_->enabled_ && impl_->training()) impl_->prefetch_backward_start(block);
   while (!impl_->backward_started_.empty() && impl_->backward_started_.back() >= block) {
     const int64_t done = impl_->backward_started_.back();
     impl_->backward_started_.pop_back();
@@ -64,6 +66,27 @@ void Engine::acquire_for_backward(int64_t block, const Buffer* slot) {
   impl_->place(block, s);
   impl_->wait_locked(block);
   impl_->backward_started_.push_back(block);
+}
+
+// Note [a backward after a backward]
+// A backward that starts where the last one ended (a pipeline stage's second backward in a
+// row) finds the blocks its forward ended with gone: the last backward's moves put back the
+// ones a pass starts with. They are loaded at once, each into the slot it was last computed in,
+// rather than one at a time as each backward reaches them (the host waiting for each): only
+// those at or below `block` (a backward from an intermediate block needs no more), and only
+// into a slot that is free or holds a block whose backward comes after theirs.
+void Engine::Impl::prefetch_backward_start(int64_t block) {
+  const std::vector<int64_t> after_forward = current().slots_after_forward();
+  for (int64_t b = block; b >= 0; --b) {
+    if (after_forward[b] < 0 || blocks_[b].slot >= 0) continue;
+    const int64_t s = slot_index(blocks_[b].computed_in);
+    if (s < 0 || slots_[s].block > b) continue;
+    const int64_t occupant = slots_[s].block;
+    wait_like_the_seed(s);
+    place(b, s);
+    blocks_[b].replaced = occupant;
+    ++stats_.moves;
+  }
 }
 
 // Each move of the schedule after `block`'s backward brings its incoming block back into the

@@ -302,4 +302,37 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
   }
   return r;
 }
+std::vector<std::vector<BlockRange>> split_stages(std::span<const std::vector<std::size_t>> lists,
+                                                  int64_t stages) {
+  double total = 0;
+  int64_t blocks = 0;
+  for (const auto& list : lists) {
+    for (std::size_t b : list) total += static_cast<double>(b);
+    blocks += static_cast<int64_t>(list.size());
+  }
+  BLOCKSWAP_CHECK_ARGUMENT(stages >= 1 && blocks >= stages, "cannot cut ", blocks, " blocks into ",
+                           stages, " pipeline stages: each needs a block");
+  std::vector<std::vector<BlockRange>> out(static_cast<std::size_t>(stages),
+                                           std::vector<BlockRange>(lists.size()));
+  // Block i goes to the stage its bytes' midpoint falls in, but no stage is left empty: the
+  // stage never runs ahead of the blocks left, nor behind the stages left.
+  double before = 0;
+  int64_t index = 0, stage = 0;
+  for (std::size_t l = 0; l < lists.size(); ++l) {
+    for (std::size_t b = 0; b < lists[l].size(); ++b, ++index) {
+      const double mid = before + static_cast<double>(lists[l][b]) / 2;
+      before += static_cast<double>(lists[l][b]);
+      auto wanted = static_cast<int64_t>(mid / total * static_cast<double>(stages));
+      wanted = std::clamp(wanted, stage, stages - 1);
+      wanted = std::max(wanted, stages - (blocks - index));   // the stages after need a block each
+      wanted = std::min(wanted, stage + (index > 0 ? 1 : 0)); // no stage skipped
+      stage = wanted;
+      std::vector<BlockRange>& ranges = out[static_cast<std::size_t>(stage)];
+      if (ranges[l].end == ranges[l].begin) ranges[l].begin = static_cast<int64_t>(b);
+      ranges[l].end = static_cast<int64_t>(b) + 1;
+    }
+  }
+  return out;
+}
+
 } // namespace blockswap

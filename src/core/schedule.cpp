@@ -37,12 +37,15 @@ void Schedule::check(int64_t blocks, int64_t blocks_to_swap, Mode mode, Algorith
 
 void Schedule::check(const ScheduleOptions& options) {
   check(options.blocks, options.blocks_to_swap, options.mode, options.algorithm);
-  // Checked with K = 0 too (R is unused then), so that a configuration does not fail only once
-  // K is raised.
-  if (options.mode == Mode::training || options.algorithm == Algorithm::seed ||
-      options.rotating_slots == 0) {
+  // Training: any R >= min(K, N-K) is the seed's layout, so only a negative R is wrong.
+  if (options.mode == Mode::training || options.algorithm == Algorithm::seed) {
+    BLOCKSWAP_CHECK_ARGUMENT(options.rotating_slots >= 0,
+                             "rotating_slots R=", options.rotating_slots, " must be >= 0");
     return;
   }
+  // Checked with K = 0 too (R is unused then), so that a configuration does not fail only once
+  // K is raised.
+  if (options.rotating_slots == 0) return;
   const int64_t max_r = options.blocks - options.blocks_to_swap;
   BLOCKSWAP_CHECK_ARGUMENT(options.rotating_slots >= 1 && options.rotating_slots <= max_r,
                            "rotating_slots R=", options.rotating_slots,
@@ -64,7 +67,15 @@ Schedule::Schedule(const ScheduleOptions& options)
     return;
   }
   if (mode_ == Mode::training) {
-    build_training();
+    const int64_t seed_r = std::min(blocks_to_swap_, blocks_ - blocks_to_swap_);
+    rotating_slots_ = options.rotating_slots == 0 || algorithm_ == Algorithm::seed
+                          ? seed_r
+                          : std::min(options.rotating_slots, seed_r);
+    if (rotating_slots_ == seed_r) {
+      build_training();
+    } else {
+      build_training_rotation();
+    }
     return;
   }
   const int64_t max_r = blocks_ - blocks_to_swap_;
@@ -133,6 +144,46 @@ void Schedule::build_training() {
   loads_per_pass_ = layout::loads_per_pass(k, mode_, 0);
 }
 
+// Note [training rotation]
+// A pipeline stage runs several forwards before their backwards (1F1B's warm-up, GPipe), and
+// every backward needs each block in the slot its forward ran in (Note [exact backward] in
+// engine_training.cpp), so every micro-batch uses the same slots. A forward after a forward
+// then reloads every block that moves: prepare() puts back the blocks the pass starts with
+// (the ones the last forward evicted) and the forward evicts them again; a backward after a
+// backward does the same in reverse. With the seed's layout that is K blocks each way, 2K per
+// such turn on top of the plan's 2K per micro-batch.
+//
+// With R rotating slots (R < min(K, N-K)) only the K+R rotating blocks r_0 < ... < r_{K+R-1}
+// move, r_j always in slot j mod R: prepare loads r_0..r_{R-1}; after r_j's forward its slot
+// receives r_{j+R}; after r_{j+R}'s backward, r_j comes back. A pass still loads K blocks each
+// way, and a turn costs R reloads instead of K. The price is overlap: r_{j+R}'s load hides
+// behind the compute of the blocks between r_j and r_{j+R}, about R*N/(K+R) - 1 of them,
+// against N-K-1 in the seed's layout; so the rotating blocks are spread evenly between the
+// blocks that never move (Note [rotation] does the same for forward-only passes).
+void Schedule::build_training_rotation() {
+  const int64_t rotating = blocks_to_swap_ + rotating_slots_;
+  std::vector<int64_t> order(rotating);
+  std::vector<bool> rotates(blocks_, false);
+  for (int64_t j = 0; j < rotating; ++j) {
+    order[j] = j * blocks_ / rotating;
+    rotates[order[j]] = true;
+  }
+  int64_t fixed_slot = rotating_slots_;
+  for (int64_t b = 0; b < blocks_; ++b) {
+    if (!rotates[b]) initial_slots_[b] = fixed_slot++;
+  }
+  BLOCKSWAP_ASSERT(fixed_slot == slots_, "fixed slots ", fixed_slot, " != ", slots_);
+  for (int64_t j = 0; j < rotating; ++j) {
+    if (j < rotating_slots_) initial_slots_[order[j]] = j;
+    if (j + rotating_slots_ < rotating) {
+      forward_moves_[order[j]].push_back(Move{order[j], order[j + rotating_slots_]});
+      backward_moves_[order[j + rotating_slots_]].push_back(
+          Move{order[j + rotating_slots_], order[j]});
+    }
+  }
+  loads_per_pass_ = layout::loads_per_pass(blocks_to_swap_, mode_, 0);
+}
+
 std::span<const Move> Schedule::after_forward(int64_t block) const {
   detail::check_block_index("", block, blocks_);
   return forward_moves_[block];
@@ -160,10 +211,75 @@ std::vector<Op> Schedule::pass() const {
   return ops;
 }
 
+std::vector<int64_t> Schedule::slots_after_forward() const {
+  BLOCKSWAP_CHECK_ARGUMENT(mode_ == Mode::training, "slots_after_forward: a ", describe(),
+                           " has no backward");
+  std::vector<int64_t> slot = initial_slots_;
+  for (int64_t b = 0; b < blocks_; ++b) {
+    for (const Move& m : forward_moves_[b]) slot[m.in] = std::exchange(slot[m.out], -1);
+  }
+  return slot;
+}
+
+int64_t Schedule::loads(std::span<const Op::Kind> halves) const {
+  BLOCKSWAP_CHECK_ARGUMENT(mode_ == Mode::training, "loads: a ", describe(), " has no backward");
+  const std::vector<int64_t> after_forward = slots_after_forward();
+  std::vector<bool> resident(blocks_);
+  for (int64_t b = 0; b < blocks_; ++b) resident[b] = initial_slots_[b] >= 0;
+  int64_t loads = 0;
+  // The blocks `wanted` names on the device, counting those that were not; then the moves.
+  auto play = [&](const std::vector<int64_t>& wanted, const std::vector<std::vector<Move>>& moves,
+                  bool forward) {
+    for (int64_t b = 0; b < blocks_; ++b) {
+      if (wanted[b] >= 0 && !resident[b]) ++loads;
+      resident[b] = wanted[b] >= 0;
+    }
+    for (int64_t i = 0; i < blocks_; ++i) {
+      for (const Move& m : moves[forward ? i : blocks_ - 1 - i]) {
+        resident[m.out] = false;
+        if (!resident[m.in]) ++loads;
+        resident[m.in] = true;
+      }
+    }
+  };
+  for (const Op::Kind half : halves) {
+    BLOCKSWAP_CHECK_ARGUMENT(half != Op::Kind::move,
+                             "loads: a step is made of forward and backward halves");
+    if (half == Op::Kind::forward) {
+      play(initial_slots_, forward_moves_, true);
+    } else {
+      play(after_forward, backward_moves_, false);
+    }
+  }
+  return loads;
+}
+
+const char* to_string(PipelineSchedule schedule) {
+  return schedule == PipelineSchedule::gpipe ? "GPipe" : "1F1B";
+}
+
+std::vector<Op::Kind> pipeline_halves(PipelineSchedule schedule, int64_t stages, int64_t stage,
+                                      int64_t micro_batches) {
+  BLOCKSWAP_CHECK_ARGUMENT(stages >= 1 && stage >= 0 && stage < stages && micro_batches >= 1,
+                           "a pipeline of ", stages, " stages and ", micro_batches,
+                           " micro-batches has no stage ", stage,
+                           ": expected stages >= 1, 0 <= stage < stages, micro-batches >= 1");
+  using enum Op::Kind;
+  std::vector<Op::Kind> halves;
+  const int64_t warmup =
+      schedule == PipelineSchedule::gpipe ? micro_batches : std::min(stages - stage, micro_batches);
+  halves.assign(warmup, forward);
+  for (int64_t i = warmup; i < micro_batches; ++i) {
+    halves.push_back(backward);
+    halves.push_back(forward);
+  }
+  halves.insert(halves.end(), warmup, backward);
+  return halves;
+}
+
 std::string Schedule::describe() const {
   return detail::concat(to_string(algorithm_), " schedule, ", to_string(mode_), ", N=", blocks_,
-                        ", K=", blocks_to_swap_, ", slots=", slots_,
-                        mode_ == Mode::forward_only ? detail::concat(", R=", rotating_slots_) : "",
+                        ", K=", blocks_to_swap_, ", slots=", slots_, ", R=", rotating_slots_,
                         ", loads per pass=", loads_per_pass_);
 }
 

@@ -115,6 +115,7 @@ void ModelOffloader::Impl::build() {
   }
   engine_options.supports_backward = options_.supports_backward;
   engine_options.rotating_slots = options_.rotating_slots;
+  engine_options.training_rotating_slots = options_.training_rotating_slots;
   engine_options.algorithm = options_.algorithm;
   engine_options.debug = options_.debug;
   engine_options.log = options_.log;

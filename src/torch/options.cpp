@@ -20,12 +20,19 @@ void Options::check(const std::string& label, int64_t blocks) const {
       Schedule::check(blocks, blocks_to_swap, mode);
       Schedule::check(
           ScheduleOptions{blocks, blocks_to_swap, Mode::forward_only, rotating_slots, algorithm});
+      if (supports_backward) {
+        Schedule::check(ScheduleOptions{blocks, blocks_to_swap, Mode::training,
+                                        training_rotating_slots, algorithm});
+      }
     }
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(at + e.what());
   }
   BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 0, at, "rotating_slots R=", rotating_slots,
                            " must be >= 0 (0: the default)");
+  BLOCKSWAP_CHECK_ARGUMENT(training_rotating_slots >= 0, at,
+                           "training_rotating_slots R=", training_rotating_slots,
+                           " must be >= 0 (0: the seed's layout)");
   if (blocks_to_swap == -1) {
     const bool budget = shared_device ? shared_device->budget_bytes() > 0 : device_budget_bytes > 0;
     BLOCKSWAP_CHECK_ARGUMENT(budget, at,

@@ -261,3 +261,40 @@ TEST(Planner, TwelveGroupsOfTwelveBlocksPlanInUnderASecond) {
 
 } // namespace
 } // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+TEST(Planner, SplitStagesCutsContiguousStagesOfAboutEqualBytes) {
+  const std::vector<std::vector<std::size_t>> flux{std::vector<std::size_t>(19, 680),
+                                                   std::vector<std::size_t>(38, 284)};
+  for (int64_t stages = 1; stages <= 57; ++stages) {
+    const auto split = split_stages(flux, stages);
+    ASSERT_EQ(static_cast<int64_t>(split.size()), stages);
+    // Every block once, in order, every stage at least one block.
+    std::vector<int64_t> next(2, 0);
+    double largest = 0;
+    for (const std::vector<BlockRange>& stage : split) {
+      double bytes = 0;
+      int64_t blocks = 0;
+      for (std::size_t l = 0; l < 2; ++l) {
+        if (stage[l].end == stage[l].begin) continue;
+        EXPECT_EQ(stage[l].begin, next[l]) << stages << " stages";
+        next[l] = stage[l].end;
+        blocks += stage[l].end - stage[l].begin;
+        bytes += static_cast<double>(stage[l].end - stage[l].begin) * flux[l][0];
+      }
+      EXPECT_GE(blocks, 1) << stages << " stages";
+      largest = std::max(largest, bytes);
+    }
+    EXPECT_EQ(next, (std::vector<int64_t>{19, 38})) << stages << " stages";
+    // No stage holds more than its share and a block more.
+    EXPECT_LE(largest, (19 * 680 + 38 * 284) / double(stages) + 680) << stages << " stages";
+  }
+  EXPECT_EQ(split_stages(flux, 2)[0][1], (BlockRange{0, 0})); // 17 double blocks: 11.6 of 23.7
+  EXPECT_THROW(split_stages(flux, 58), InvalidArgument);
+  EXPECT_THROW(split_stages(flux, 0), InvalidArgument);
+}
+
+} // namespace
+} // namespace blockswap

@@ -98,8 +98,10 @@ TEST(Schedule, InvariantsForEveryShape) {
   for (int64_t n = 1; n <= 48; ++n) {
     for (Mode mode : {Mode::forward_only, Mode::training}) {
       for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
-        const int64_t max_r = (mode == Mode::forward_only && k > 0) ? n - k : 0;
-        for (int64_t r = (max_r > 0 ? 1 : 0); r <= max_r; ++r) {
+        // Training: 0 is the seed's layout, 1 <= R < min(K, N-K) a rotation.
+        const int64_t max_r = k > 0 ? n - k : 0;
+        const int64_t min_r = mode == Mode::forward_only && max_r > 0 ? 1 : 0;
+        for (int64_t r = min_r; r <= max_r; ++r) {
           Schedule s({n, k, mode, r});
           EXPECT_EQ(s.slots(), n - k);
           Replay replay(s);
@@ -128,31 +130,77 @@ TEST(Schedule, EveryBlockIsDifferentiatedInTheSlotOfItsForward) {
   for (int64_t n = 1; n <= 48; ++n) {
     for (Mode mode : {Mode::forward_only, Mode::training}) {
       for (int64_t k = 0; k <= Schedule::max_blocks_to_swap(n, mode); ++k) {
-        const Schedule s({n, k, mode});
-        std::vector<int64_t> forward_slot(n, -1), occupant(s.slots(), -1);
-        for (int64_t b = 0; b < n; ++b) {
-          if (s.initial_slots()[b] >= 0) occupant[s.initial_slots()[b]] = b;
-        }
-        int64_t backwards = 0;
-        for (const Op& op : s.pass()) {
-          ASSERT_GE(op.slot, 0) << s.describe();
-          ASSERT_LT(op.slot, s.slots()) << s.describe();
-          if (op.kind == Op::Kind::move) {
-            ASSERT_EQ(occupant[op.slot], op.move.out) << s.describe();
-            occupant[op.slot] = op.move.in;
-            continue;
+        for (int64_t r = 0; r <= (mode == Mode::training && k > 0 ? n - k : 0); ++r) {
+          const Schedule s({n, k, mode, r});
+          std::vector<int64_t> forward_slot(n, -1), occupant(s.slots(), -1);
+          for (int64_t b = 0; b < n; ++b) {
+            if (s.initial_slots()[b] >= 0) occupant[s.initial_slots()[b]] = b;
           }
-          ASSERT_EQ(occupant[op.slot], op.block) << s.describe() << " block " << op.block;
-          if (op.kind == Op::Kind::forward) forward_slot[op.block] = op.slot;
-          if (op.kind == Op::Kind::backward) {
-            ++backwards;
-            EXPECT_EQ(op.slot, forward_slot[op.block]) << s.describe() << " block " << op.block;
+          int64_t backwards = 0;
+          for (const Op& op : s.pass()) {
+            ASSERT_GE(op.slot, 0) << s.describe();
+            ASSERT_LT(op.slot, s.slots()) << s.describe();
+            if (op.kind == Op::Kind::move) {
+              ASSERT_EQ(occupant[op.slot], op.move.out) << s.describe();
+              occupant[op.slot] = op.move.in;
+              continue;
+            }
+            ASSERT_EQ(occupant[op.slot], op.block) << s.describe() << " block " << op.block;
+            if (op.kind == Op::Kind::forward) forward_slot[op.block] = op.slot;
+            if (op.kind == Op::Kind::backward) {
+              ++backwards;
+              EXPECT_EQ(op.slot, forward_slot[op.block]) << s.describe() << " block " << op.block;
+            }
           }
+          EXPECT_EQ(backwards, mode == Mode::training ? n : 0) << s.describe();
         }
-        EXPECT_EQ(backwards, mode == Mode::training ? n : 0) << s.describe();
       }
     }
   }
+}
+
+// Note [training rotation]: R rotating slots carry K+R blocks; a forward after a forward and a
+// backward after a backward reload R of them, the seed's layout min(K, N-K).
+TEST(Schedule, TrainingRotationReloadsRAtEachTurn) {
+  using enum Op::Kind;
+  for (int64_t n = 2; n <= 32; ++n) {
+    for (int64_t k = 1; k <= n - 1; ++k) {
+      const int64_t seed_r = std::min(k, n - k);
+      for (int64_t r = 0; r <= n - k; ++r) {
+        const Schedule s({n, k, Mode::training, r});
+        const int64_t rr = r == 0 ? seed_r : std::min(r, seed_r);
+        ASSERT_EQ(s.rotating_slots(), rr) << s.describe();
+        EXPECT_EQ(s.loads(std::vector{forward, backward}), 2 * k) << s.describe();
+        EXPECT_EQ(s.loads(std::vector{forward, forward, backward, backward}), 4 * k + 2 * rr)
+            << s.describe();
+        EXPECT_EQ(s.loads(std::vector{forward, forward, forward}), 3 * k + 2 * rr) << s.describe();
+        // Only the rotating blocks move; each in one slot, every pass.
+        int64_t moving = 0;
+        for (int64_t b = 0; b < n; ++b) {
+          moving += !s.after_forward(b).empty() || s.initial_slots()[b] < 0;
+        }
+        EXPECT_EQ(moving, k + rr) << s.describe();
+      }
+    }
+  }
+}
+
+TEST(Schedule, PipelineHalvesAreTheSchedulesOrder) {
+  using enum Op::Kind;
+  using H = std::vector<Op::Kind>;
+  EXPECT_EQ(pipeline_halves(PipelineSchedule::gpipe, 2, 1, 3),
+            (H{forward, forward, forward, backward, backward, backward}));
+  // 1F1B: stage s of S warms up with min(S-s, M) forwards.
+  EXPECT_EQ(pipeline_halves(PipelineSchedule::one_f_one_b, 2, 0, 4),
+            (H{forward, forward, backward, forward, backward, forward, backward, backward}));
+  EXPECT_EQ(pipeline_halves(PipelineSchedule::one_f_one_b, 2, 1, 3),
+            (H{forward, backward, forward, backward, forward, backward}));
+  EXPECT_EQ(pipeline_halves(PipelineSchedule::one_f_one_b, 4, 0, 2),
+            (H{forward, forward, backward, backward}));
+  EXPECT_THROW(pipeline_halves(PipelineSchedule::gpipe, 2, 2, 3), InvalidArgument);
+  EXPECT_THROW(pipeline_halves(PipelineSchedule::gpipe, 2, 0, 0), InvalidArgument);
+  const Schedule s({8, 3, Mode::forward_only});
+  EXPECT_THROW(s.loads(H{forward}), InvalidArgument);
 }
 
 // Note [rotation]: each load hides behind the compute of the blocks between the slot's

@@ -238,6 +238,51 @@ TEST(Plan, FluxShapedModel) {
   EXPECT_EQ(plan_json(model, "24GiB", "train")["groups"][0]["blocks_to_swap"], 0);
 }
 
+// Pipeline stages: FLUX.1 cut into 4 stages of 1F1B, each planned for its own device; every
+// block in one stage, in order; the loads per step as each stage's turns make them.
+TEST(Plan, PipelineStagesOfFlux) {
+  const fs::path model = scratch() / "flux1-stages.safetensors";
+  write_sparse_model(model, flux_tensors(), "BF16", 2);
+  const Result r = run_tool("plan " + model.string() +
+                            " --budget 4GiB --mode train --stages 4 --micro-batches 8 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json plan = json::parse(r.out);
+  ASSERT_EQ(plan["stages"].size(), 4u);
+  std::map<std::string, int64_t> next;
+  for (std::size_t s = 0; s < 4; ++s) {
+    const json& stage = plan["stages"][s];
+    EXPECT_LE(stage["device_bytes"].get<uint64_t>(), plan["budget_bytes"].get<uint64_t>());
+    int64_t plain = 0, seed_turns = 0;
+    for (const json& list : stage["lists"]) {
+      const std::string group = list["group"];
+      EXPECT_EQ(list["first_block"].get<int64_t>(), next[group]) << group;
+      next[group] = list["end_block"];
+      const int64_t n = list["end_block"].get<int64_t>() - list["first_block"].get<int64_t>();
+      const int64_t k = list["blocks_to_swap"];
+      plain += 2 * k * 8;
+      seed_turns += std::min(k, n - k);
+    }
+    const int64_t turns = std::min<int64_t>(4 - static_cast<int64_t>(s), 8) - 1;
+    const json& seed = stage["choices"][0];
+    EXPECT_EQ(seed["training_rotating_slots"], 0);
+    EXPECT_EQ(seed["loads_per_step"].get<int64_t>(), plain + 2 * turns * seed_turns) << s;
+    for (const json& c : stage["choices"]) {
+      EXPECT_LE(c["loads_per_step"].get<int64_t>(), seed["loads_per_step"].get<int64_t>());
+      EXPECT_GE(c["predicted_step_seconds"].get<double>(),
+                stage["predicted_noswap_seconds"].get<double>() * 0.999);
+    }
+  }
+  EXPECT_EQ(next["double_blocks"], 19);
+  EXPECT_EQ(next["single_blocks"], 38);
+  const Result infer =
+      run_tool("plan " + model.string() + " --budget 4GiB --mode infer --stages 2");
+  EXPECT_NE(infer.exit_code, 0);
+  EXPECT_NE(infer.err.find("--mode train"), std::string::npos) << infer.err;
+  const Result small = run_tool("plan " + model.string() + " --budget 256MiB --stages 2");
+  EXPECT_NE(small.exit_code, 0);
+  EXPECT_NE(small.err.find("stage 0 of 2"), std::string::npos) << small.err;
+}
+
 // A sharded diffusers checkpoint (by its index and by its folder) and ComfyUI's one file plan as
 // the one file does: a block's bytes summed across the shards it lies in.
 TEST(Plan, AShardedCheckpointPlansAsItsOneFile) {

@@ -7,6 +7,10 @@
 
 #include "blockswap/core/schedule.hpp"
 
+namespace blockswap {
+struct ModelLayout; // model_io/model_plan.hpp
+} // namespace blockswap
+
 namespace blockswap::tool {
 
 struct RunArgs {
@@ -67,6 +71,11 @@ struct PlanArgs {
   // Training: the bytes each block's forward saves for backward (empty: not predicted); the
   // step and the device memory for activations with and without offloading them.
   std::string activation_bytes;
+  // Pipeline training (plan_pipeline.cpp): the blocks cut into `stages` stages (0: none), each
+  // on its own device of the budget, `micro_batches` per step in `pipeline`'s order.
+  int64_t stages = 0;
+  std::string pipeline = "1f1b";
+  int64_t micro_batches = 8;
 };
 
 struct BenchArgs {
@@ -94,5 +103,6 @@ int run_command(const RunArgs& args);
 int ranks_command(const RunArgs& args, char** argv);
 int bench_command(const BenchArgs& args);
 int plan_command(const PlanArgs& args);
+int plan_pipeline(const PlanArgs& args, const ModelLayout& layout, uint64_t budget);
 
 } // namespace blockswap::tool

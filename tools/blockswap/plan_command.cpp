@@ -125,6 +125,7 @@ int plan_command(const PlanArgs& args) {
   // One file, or a sharded set (its index or folder): a block's bytes across its shards.
   const std::vector<TensorInfo> tensors = open_checkpoint(args.model).tensor_infos();
   const ModelLayout layout = group_blocks(tensors);
+  if (args.stages > 0) return plan_pipeline(args, layout, budget);
   ModelPlan plan = plan_model(layout, budget, mode);
   std::optional<uint64_t> host_budget;
   if (!args.host_budget.empty()) host_budget = parse_size(args.host_budget);

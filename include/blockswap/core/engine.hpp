@@ -43,6 +43,9 @@ struct EngineOptions {
   int64_t blocks_to_swap = 0;     // K
   bool supports_backward = false; // training possible; starts in training mode when true
   int64_t rotating_slots = 0;     // forward-only R (ScheduleOptions::rotating_slots)
+  // Training R (ScheduleOptions::rotating_slots; 0: the seed's layout): a pipeline stage that
+  // runs forwards (or backwards) in a row reloads R blocks at each such turn instead of K.
+  int64_t training_rotating_slots = 0;
   Algorithm algorithm = Algorithm::blockswap;
   bool debug = false; // print each move and wait with its duration, as the seed does
   std::function<void(const std::string&)> log = {}; // debug lines go here; stderr when empty

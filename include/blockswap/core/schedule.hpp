@@ -42,7 +42,9 @@ struct ScheduleOptions {
   Mode mode = Mode::forward_only;
   // Forward-only: the number R of slots that blocks rotate through, 1 <= R <= N-K; K+R blocks
   // load per pass. 0 picks the default, min(2, N-K). R = N-K is the seed's cyclic scheme.
-  // Ignored in training and by Algorithm::seed.
+  // Training: R < min(K, N-K) rotates K+R blocks through R slots (Note [training rotation] in
+  // schedule.cpp: a forward after a forward, or a backward after a backward, reloads R blocks
+  // instead of K); 0, or R >= min(K, N-K), is the seed's layout. Ignored by Algorithm::seed.
   int64_t rotating_slots = 0;
   Algorithm algorithm = Algorithm::blockswap;
 };
@@ -68,15 +70,18 @@ public:
   // and N >= 1.
   static void check(int64_t blocks, int64_t blocks_to_swap, Mode mode,
                     Algorithm algorithm = Algorithm::blockswap);
-  // That, and R in range (forward-only, Algorithm::blockswap, R > 0: 1 <= R <= N-K).
+  // That, and R in range (forward-only, Algorithm::blockswap, R > 0: 1 <= R <= N-K; else
+  // R >= 0).
   static void check(const ScheduleOptions& options);
 
   int64_t blocks() const { return blocks_; }
   int64_t blocks_to_swap() const { return blocks_to_swap_; }
   Mode mode() const { return mode_; }
   Algorithm algorithm() const { return algorithm_; }
-  int64_t slots() const { return slots_; }                   // device slots: N-K (N when K=0)
-  int64_t rotating_slots() const { return rotating_slots_; } // forward-only R; 0 in training
+  int64_t slots() const { return slots_; } // device slots: N-K (N when K=0)
+  // R: forward-only, the slots blocks rotate through; training, min(K, N-K) in the seed's
+  // layout, else the rotating slots asked for. 0 when K = 0.
+  int64_t rotating_slots() const { return rotating_slots_; }
   // Seed replay: every eviction copies the block back, and the host blocks on every wait.
   bool writes_back() const { return algorithm_ == Algorithm::seed; }
   bool host_waits() const { return algorithm_ == Algorithm::seed; }
@@ -97,9 +102,22 @@ public:
   std::vector<Op> pass() const;
   std::string describe() const;
 
+  // Training: the slot of each block on the device once a forward is over, -1 for the others
+  // (where a backward finds them).
+  std::vector<int64_t> slots_after_forward() const;
+  // Training: the blocks loaded over a sequence of halves (Op::Kind::forward, a pass of the
+  // blocks forward; Op::Kind::backward, the same in reverse) from the steady state (the blocks
+  // a pass starts with on the device), as the engine loads them: a forward first puts back the
+  // blocks a pass starts with, a backward those a forward ends with, then the moves run. A
+  // micro-batch's forward then its backward loads 2K; a forward after a forward, or a backward
+  // after a backward, R more (Note [training rotation]). Throws InvalidArgument for a move in
+  // `halves` or in forward-only mode.
+  int64_t loads(std::span<const Op::Kind> halves) const;
+
 private:
   void build_forward_only();
   void build_training();
+  void build_training_rotation();
 
   int64_t blocks_;
   int64_t blocks_to_swap_;
@@ -112,5 +130,14 @@ private:
   std::vector<std::vector<Move>> forward_moves_;
   std::vector<std::vector<Move>> backward_moves_;
 };
+
+// The pipeline schedules a stage's halves follow (torch.distributed.pipelining's): GPipe runs
+// every micro-batch forward, then every one backward; 1F1B runs min(S-s, M) forwards on stage
+// s of S, then one backward and one forward in turn, then the backwards left.
+enum class PipelineSchedule { gpipe, one_f_one_b };
+const char* to_string(PipelineSchedule schedule);
+// Stage `stage`'s halves in one step of `micro_batches` (InvalidArgument when out of range).
+std::vector<Op::Kind> pipeline_halves(PipelineSchedule schedule, int64_t stages, int64_t stage,
+                                      int64_t micro_batches);
 
 } // namespace blockswap

@@ -146,4 +146,12 @@ struct TimedStep {
 TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists,
                     int warmup_passes = kPassesPerChunk);
 
+// A pipeline stage's step on a timed device: its micro-batches' halves in the order given
+// (pipeline_halves in core/schedule.hpp), each forward a pass of every list (prepare, then the
+// blocks), each backward the oldest pending micro-batch's, from the steady state to the end of
+// the last half. The stage's own time: it never waits for its neighbours' activations or
+// gradients. Throws Error for engines not in training, or a backward with no forward pending.
+TimedStep time_halves(TimedDevice& device, std::span<const TimedList> lists,
+                      std::span<const Op::Kind> halves);
+
 } // namespace blockswap

@@ -121,6 +121,11 @@ struct Options {
   // Forward-only R, 1 <= R <= N-K: the slots blocks rotate through; K+R blocks load per pass.
   // 0 = layout::default_rotating_slots; N-K is the seed's cyclic scheme.
   int64_t rotating_slots = 0;
+  // Training R >= 1, for a pipeline stage (docs/distributed.md, "Pipeline stages"):
+  // K+R blocks rotate through R slots, so a forward after a forward, or a backward after a
+  // backward (1F1B's warm-up and cool-down, GPipe), reloads R blocks instead of K; loads hide
+  // behind less compute. 0, or R >= min(K, N-K): the seed's layout.
+  int64_t training_rotating_slots = 0;
   // Algorithm::seed replays the seed's own moves: the benchmarks' baseline.
   Algorithm algorithm = Algorithm::blockswap;
   bool debug = false; // the seed's lines, one per move and wait, to `log` or stderr

@@ -2,6 +2,7 @@
 // calls (run_block's enter, compute, leave; the backward's acquire_for_backward) with modelled
 // computations, so that a step's time is measured without tensors.
 #include <algorithm>
+#include <deque>
 #include <memory>
 #include <span>
 #include <vector>
@@ -181,6 +182,57 @@ TimedStep time_step(TimedDevice& device, std::span<const TimedList> lists, int w
   for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
   step.stall_seconds /= kPassesPerChunk;
   step.link_busy_seconds = (device.link_busy_seconds() - link_before) / passes;
+  return step;
+}
+
+// A pipeline stage's halves: each micro-batch's forward records the slots its blocks ran in
+// and its own offloaded activations, and its backward (the oldest pending first, as GPipe and
+// 1F1B run them) reads those.
+TimedStep time_halves(TimedDevice& device, std::span<const TimedList> lists,
+                      std::span<const Op::Kind> halves) {
+  BLOCKSWAP_CHECK(!lists.empty(), "time_halves: no block list");
+  for (const TimedList& list : lists) {
+    BLOCKSWAP_CHECK(list.engine != nullptr && list.timing != nullptr &&
+                        list.timing->forward_seconds.size() ==
+                            static_cast<std::size_t>(list.engine->blocks()),
+                    "time_halves: a list needs an engine and a timing with one entry per block");
+    BLOCKSWAP_CHECK(!list.engine->forward_only(), "time_halves: the engines must be training");
+  }
+  struct MicroBatch {
+    std::vector<std::vector<const Buffer*>> computed_in;
+    std::unique_ptr<Activations> activations;
+  };
+  const Compute compute{.differentiable = true};
+  for (const TimedList& list : lists) list.engine->prepare();
+  device.finish();
+  device.take_compute_log();
+  const double start = device.now();
+  const double link_before = device.link_busy_seconds();
+  const double out_before = device.activations_out_busy_seconds();
+  std::deque<MicroBatch> pending;
+  for (const Op::Kind half : halves) {
+    BLOCKSWAP_CHECK(half != Op::Kind::move, "time_halves: a step is made of halves");
+    if (half == Op::Kind::forward) {
+      MicroBatch& mb = pending.emplace_back();
+      mb.computed_in.resize(lists.size());
+      mb.activations = std::make_unique<Activations>(lists);
+      forward_pass(device, lists, compute, mb.computed_in, mb.activations.get());
+      continue;
+    }
+    BLOCKSWAP_CHECK(!pending.empty(), "time_halves: a backward with no forward before it");
+    backward_pass(device, lists, pending.front().computed_in, *pending.front().activations);
+    pending.pop_front();
+  }
+  TimedStep step;
+  step.step_seconds = device.finish() - start;
+  step.link_busy_seconds = device.link_busy_seconds() - link_before;
+  step.activations_out_busy_seconds = device.activations_out_busy_seconds() - out_before;
+  step.computations = device.take_compute_log();
+  if (!step.computations.empty()) {
+    ComputeRecord& first = step.computations.front(); // idle from the step's start only
+    first.idle_before = std::max(0.0, first.start - start);
+  }
+  for (const ComputeRecord& c : step.computations) step.stall_seconds += c.idle_before;
   return step;
 }
 
