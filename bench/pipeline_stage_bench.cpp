@@ -7,11 +7,13 @@
 // T* = max(compute, link: its loads' copies one after another) and against the same stage
 // without swapping (its compute); last, the slowest stage against the slowest without swapping.
 // A stage's own time: it never waits for its neighbours, so the pipeline's step is about the
-// slowest stage's plus the schedule's bubble, swapped or not. Device
+// slowest stage's plus the schedule's bubble, swapped or not. Last, the simulator's prediction
+// (simulate_halves): its largest error over the stages. Device
 // time: the same on any machine.
 //
 //   build/bench/pipeline_stage_bench   # a table (docs/distributed.md, "Pipeline stages")
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -64,7 +66,7 @@ std::vector<Stage> split_flux(int64_t stages) {
 }
 
 struct Result {
-  double seconds = 0, bound = 0, noswap = 0;
+  double seconds = 0, bound = 0, noswap = 0, predicted_seconds = 0; // simulate_halves'
   int64_t loads = 0, predicted = 0;
 };
 
@@ -94,7 +96,12 @@ Result run_stage(const Stage& stage, const std::vector<Op::Kind>& halves, double
     r.noswap += static_cast<double>(forwards) * static_cast<double>(n) * forward * 3.0;
   }
   std::vector<TimedList> lists;
-  for (std::size_t l = 0; l < engines.size(); ++l) lists.push_back({engines[l].get(), &timings[l]});
+  std::vector<SimulatedList> simulated;
+  for (std::size_t l = 0; l < engines.size(); ++l) {
+    lists.push_back({engines[l].get(), &timings[l]});
+    simulated.push_back({&engines[l]->schedule(), &timings[l]});
+  }
+  r.predicted_seconds = simulate_halves(simulated, halves, link).step_seconds;
   for (auto& engine : engines) { // from the steady state: the blocks a pass starts with loaded
     engine->prepare();
     engine->reset_stats();
@@ -137,18 +144,21 @@ int main() {
             std::printf("%-7lld %-6s %3lld %5.1f %-5s |", static_cast<long long>(stages),
                         to_string(kind), static_cast<long long>(micro_batches), ratio,
                         rotating == 0 ? "seed" : std::to_string(rotating).c_str());
-            double slowest = 0, slowest_noswap = 0;
+            double slowest = 0, slowest_noswap = 0, worst_prediction = 0;
             for (int64_t s = 0; s < stages; ++s) {
               const auto halves = pipeline_halves(kind, stages, s, micro_batches);
               const Result r =
                   run_stage(split[static_cast<std::size_t>(s)], halves, ratio, rotating, link);
               slowest = std::max(slowest, r.seconds);
+              worst_prediction =
+                  std::max(worst_prediction, std::abs(r.seconds / r.predicted_seconds - 1));
               slowest_noswap = std::max(slowest_noswap, r.noswap);
               std::printf(" %lld/%lld %.3f %.3f%s", static_cast<long long>(r.loads),
                           static_cast<long long>(r.predicted), r.seconds / r.bound,
                           r.seconds / r.noswap, s + 1 < stages ? " ;" : "");
             }
-            std::printf(" | slowest stage / without swapping %.3f\n", slowest / slowest_noswap);
+            std::printf(" | slowest stage / without swapping %.3f | simulator off by %.2f %%\n",
+                        slowest / slowest_noswap, 100 * worst_prediction);
           }
         }
       }

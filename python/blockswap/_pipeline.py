@@ -1,6 +1,8 @@
 """blockswap.stage_loads: what a pipeline stage's blocks cost in loads per step."""
 from . import _C
 
+InvalidArgumentError = _C.InvalidArgumentError
+
 __all__ = ["stage_loads"]
 
 
@@ -13,5 +15,12 @@ def stage_loads(schedule, stages, stage, micro_batches, blocks, blocks_to_swap,
     the seed's layout), from the steady state. Each micro-batch's forward and backward load 2K;
     every forward that follows a forward, and every backward that follows a backward, loads R
     more (R = min(K, N-K) in the seed's layout). docs/distributed.md, "Pipeline stages"."""
-    return _C.stage_loads(str(schedule).lower(), int(stages), int(stage), int(micro_batches),
-                          int(blocks), int(blocks_to_swap), int(training_rotating_slots))
+    from ._offloader import _integer
+    if not isinstance(schedule, str):
+        raise InvalidArgumentError(f"stage_loads: schedule must be 'gpipe' or '1f1b', got "
+                                   f"{schedule!r}")
+    values = [_integer("stage_loads: ", name, value) for name, value in (
+        ("stages", stages), ("stage", stage), ("micro_batches", micro_batches),
+        ("blocks", blocks), ("blocks_to_swap", blocks_to_swap),
+        ("training_rotating_slots", training_rotating_slots))]
+    return _C.stage_loads(schedule.lower(), *values)

@@ -302,35 +302,59 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
   }
   return r;
 }
+// Note [stage partition]
+// DeepSpeed's partition_balanced (partition_method "parameters", which diffusion-pipe uses):
+// the smallest possible largest stage B, then the stages filled from the first, each taking
+// blocks while it stays within B and one block is left for each stage after it.
 std::vector<std::vector<BlockRange>> split_stages(std::span<const std::vector<std::size_t>> lists,
-                                                  int64_t stages) {
-  double total = 0;
-  int64_t blocks = 0;
-  for (const auto& list : lists) {
-    for (std::size_t b : list) total += static_cast<double>(b);
-    blocks += static_cast<int64_t>(list.size());
+                                                  int64_t stages, std::size_t first_bytes) {
+  std::vector<std::size_t> weights; // every block, the lists one after another
+  std::vector<std::pair<std::size_t, int64_t>> where;
+  for (std::size_t l = 0; l < lists.size(); ++l) {
+    for (std::size_t b = 0; b < lists[l].size(); ++b) {
+      weights.push_back(lists[l][b] + (weights.empty() ? first_bytes : 0));
+      where.emplace_back(l, static_cast<int64_t>(b));
+    }
   }
+  const auto blocks = static_cast<int64_t>(weights.size());
   BLOCKSWAP_CHECK_ARGUMENT(stages >= 1 && blocks >= stages, "cannot cut ", blocks, " blocks into ",
                            stages, " pipeline stages: each needs a block");
+  // The stages greedy filling makes when no stage may exceed `limit` (more than `stages`: none).
+  auto fill = [&](std::size_t limit) {
+    std::vector<int64_t> ends;
+    std::size_t sum = 0;
+    for (int64_t i = 0; i < blocks; ++i) {
+      const std::size_t w = weights[static_cast<std::size_t>(i)];
+      const auto left_stages = stages - static_cast<int64_t>(ends.size()) - 1;
+      if (i > 0 && (sum + w > limit || blocks - i <= left_stages) && sum > 0 &&
+          static_cast<int64_t>(ends.size()) < stages - 1) {
+        ends.push_back(i);
+        sum = 0;
+      }
+      sum += w;
+      if (sum > limit) return std::vector<int64_t>{};
+    }
+    ends.push_back(blocks);
+    return ends;
+  };
+  std::size_t low = *std::max_element(weights.begin(), weights.end()), high = 0;
+  for (std::size_t w : weights) high += w;
+  while (low < high) { // the smallest limit the stages can keep
+    const std::size_t mid = low + (high - low) / 2;
+    (fill(mid).empty() ? low = mid + 1 : high = mid);
+  }
+  const std::vector<int64_t> ends = fill(low);
   std::vector<std::vector<BlockRange>> out(static_cast<std::size_t>(stages),
                                            std::vector<BlockRange>(lists.size()));
-  // Block i goes to the stage its bytes' midpoint falls in, but no stage is left empty: the
-  // stage never runs ahead of the blocks left, nor behind the stages left.
-  double before = 0;
-  int64_t index = 0, stage = 0;
-  for (std::size_t l = 0; l < lists.size(); ++l) {
-    for (std::size_t b = 0; b < lists[l].size(); ++b, ++index) {
-      const double mid = before + static_cast<double>(lists[l][b]) / 2;
-      before += static_cast<double>(lists[l][b]);
-      auto wanted = static_cast<int64_t>(mid / total * static_cast<double>(stages));
-      wanted = std::clamp(wanted, stage, stages - 1);
-      wanted = std::max(wanted, stages - (blocks - index));   // the stages after need a block each
-      wanted = std::min(wanted, stage + (index > 0 ? 1 : 0)); // no stage skipped
-      stage = wanted;
-      std::vector<BlockRange>& ranges = out[static_cast<std::size_t>(stage)];
-      if (ranges[l].end == ranges[l].begin) ranges[l].begin = static_cast<int64_t>(b);
-      ranges[l].end = static_cast<int64_t>(b) + 1;
+  int64_t begin = 0;
+  for (std::size_t s = 0; s < ends.size(); ++s) {
+    for (int64_t i = begin; i < ends[s]; ++i) {
+      const auto [l, b] = where[static_cast<std::size_t>(i)];
+      BlockRange& r = out[s][l];
+      if (r.end == r.begin) r.begin = b;
+      r.end = b + 1;
     }
+    begin = ends[s];
   }
   return out;
 }

@@ -40,7 +40,8 @@ void Schedule::check(const ScheduleOptions& options) {
   // Training: any R >= min(K, N-K) is the seed's layout, so only a negative R is wrong.
   if (options.mode == Mode::training || options.algorithm == Algorithm::seed) {
     BLOCKSWAP_CHECK_ARGUMENT(options.rotating_slots >= 0,
-                             "rotating_slots R=", options.rotating_slots, " must be >= 0");
+                             "rotating slots R=", options.rotating_slots,
+                             " must be >= 0 (0: the seed's layout)");
     return;
   }
   // Checked with K = 0 too (R is unused then), so that a configuration does not fail only once
@@ -219,6 +220,27 @@ std::vector<int64_t> Schedule::slots_after_forward() const {
     for (const Move& m : forward_moves_[b]) slot[m.in] = std::exchange(slot[m.out], -1);
   }
   return slot;
+}
+
+std::vector<Move> Schedule::turn_moves(Op::Kind half) const {
+  BLOCKSWAP_CHECK_ARGUMENT(mode_ == Mode::training && half != Op::Kind::move,
+                           "turn_moves: a training schedule's forward or backward half");
+  const std::vector<int64_t> after_forward = slots_after_forward();
+  std::vector<int64_t> first(slots_, -1), last(slots_, -1);
+  for (int64_t b = 0; b < blocks_; ++b) {
+    if (initial_slots_[b] >= 0) first[initial_slots_[b]] = b;
+    if (after_forward[b] >= 0) last[after_forward[b]] = b;
+  }
+  std::vector<Move> moves;
+  for (int64_t s = 0; s < slots_; ++s) {
+    if (first[s] == last[s]) continue;
+    moves.push_back(half == Op::Kind::forward ? Move{last[s], first[s]} : Move{first[s], last[s]});
+  }
+  const bool forward = half == Op::Kind::forward;
+  std::sort(moves.begin(), moves.end(), [forward](const Move& a, const Move& b) {
+    return forward ? a.in < b.in : a.in > b.in;
+  });
+  return moves;
 }
 
 int64_t Schedule::loads(std::span<const Op::Kind> halves) const {

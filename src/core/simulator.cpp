@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <optional>
 
 #include "blockswap/core/activation_rule.hpp"
 #include "blockswap/core/error.hpp"
@@ -30,19 +31,26 @@ public:
       : link_(link), staging_(static_cast<std::size_t>(std::max(1, link.staging_buffers)), 0.0) {}
 
   void play(const SimulatedList& list, bool backward, ListSimulation& out, double weight) {
+    play(list, ops(*list.schedule, backward), backward, out, weight);
+  }
+
+  // `ops` of one half: a move evicts what the compute stream has run so far; a move before the
+  // half's first compute (a turn's, Schedule::turn_moves) too.
+  void play(const SimulatedList& list, const std::vector<Op>& ops, bool backward,
+            ListSimulation& out, double weight) {
     const Schedule& schedule = *list.schedule;
     const BlockTiming& timing = *list.timing;
     const auto n = static_cast<std::size_t>(schedule.blocks());
     if (ready_.size() < offset_ + n) ready_.resize(offset_ + n, 0.0);
-    for (const Op& op : ops(schedule, backward)) {
-      double& ready = ready_[offset_ + op.block];
+    for (const Op& op : ops) {
       if (op.kind == Op::Kind::move) {
         move(schedule, timing, op, weight);
         continue;
       }
+      double& ready = ready_[offset_ + op.block];
       if (schedule.host_waits()) host_ = std::max(host_, ready);
       const std::size_t g = offset_ + static_cast<std::size_t>(op.block);
-      const bool training = schedule.mode() != Mode::forward_only;
+      const bool training = activations_ && schedule.mode() != Mode::forward_only;
       if (training && op.kind == Op::Kind::forward)
         offload_previous(g, activation_bytes(timing, op.block));
       double start = std::max({compute_, host_, ready});
@@ -57,6 +65,9 @@ public:
   }
 
   double compute_end() const { return compute_; }
+
+  // Several micro-batches in flight: no offloaded activations (simulate_halves).
+  void without_activations() { activations_ = false; }
 
   // Training: a step ends when nothing is in flight on any stream (time_step's finish()).
   double step_end() const { return std::max({compute_, copy_, host_, d2h_}); }
@@ -103,6 +114,7 @@ public:
   }
 
 private:
+public:
   // The forward half of a step's ops, or the backward half.
   static std::vector<Op> ops(const Schedule& schedule, bool backward) {
     std::vector<Op> all = schedule.pass();
@@ -115,6 +127,7 @@ private:
     return half;
   }
 
+private:
   // Block g's forward starts: the groups that go out now (Note [offloaded activations] in
   // core/activation_rule.hpp) go after what the compute stream has run so far.
   void offload_previous(std::size_t g, std::size_t bytes) {
@@ -183,6 +196,7 @@ private:
   }
 
   LinkModel link_;
+  bool activations_ = true;
   double compute_ = 0, copy_ = 0, host_ = 0, disk_ = 0;
   double stall_ = 0, busy_compute_ = 0, busy_link_ = 0, busy_disk_ = 0;
   std::vector<double> staging_; // when each staging buffer is free again
@@ -323,6 +337,78 @@ Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link)
 Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {
   const SimulatedList list{&schedule, &timing};
   return simulate(std::span<const SimulatedList>(&list, 1), link);
+}
+
+// Note [halves in the simulator]
+// A pipeline stage's halves as time_halves plays them on the timed device: a forward after a
+// forward starts with the turn's moves (prepare() puts back the blocks a pass starts with, each
+// waiting for the compute before it, the host not), a backward after a backward with its own
+// (the engine's prefetch when a backward starts, Note [a backward after a backward]), each list's
+// before its own half. Offloaded activations are not modelled across micro-batches.
+Simulation simulate_halves(std::span<const SimulatedList> lists, std::span<const Op::Kind> halves,
+                           const LinkModel& link) {
+  check_lists(lists, link);
+  for (const SimulatedList& list : lists) {
+    BLOCKSWAP_CHECK(list.schedule->mode() == Mode::training,
+                    "simulate_halves: every list must be training");
+    BLOCKSWAP_CHECK(list.timing->activation_bytes.empty() && !reads_file(list),
+                    "simulate_halves: offloaded activations and the file tier are not modelled "
+                    "across micro-batches");
+  }
+  VirtualClock clock(link);
+  clock.without_activations();
+  std::vector<ListSimulation> out;
+  std::vector<std::size_t> offsets;
+  std::size_t offset = 0;
+  for (const SimulatedList& list : lists) {
+    const auto n = static_cast<std::size_t>(list.schedule->blocks());
+    out.push_back({std::vector<double>(n, 0.0), std::vector<double>(n, 0.0)});
+    offsets.push_back(offset);
+    offset += n;
+  }
+  auto with_turn = [](const Schedule& schedule, bool backward, bool turn, bool half_too) {
+    std::vector<Op> ops;
+    if (turn) {
+      const Op::Kind half = backward ? Op::Kind::backward : Op::Kind::forward;
+      for (const Move& m : schedule.turn_moves(half)) {
+        ops.push_back(Op{Op::Kind::move, m.out, m, -1});
+      }
+    }
+    if (!half_too) return ops;
+    const std::vector<Op> rest = VirtualClock::ops(schedule, backward);
+    ops.insert(ops.end(), rest.begin(), rest.end());
+    return ops;
+  };
+  std::optional<Op::Kind> last;
+  for (const Op::Kind half : halves) {
+    BLOCKSWAP_CHECK(half != Op::Kind::move, "simulate_halves: a step is made of halves");
+    const bool backward = half == Op::Kind::backward;
+    const bool turn = last == half;
+    last = half;
+    if (!backward) { // every list's prepare, then every list's blocks
+      for (const bool blocks : {false, true}) {
+        for (std::size_t i = 0; i < lists.size(); ++i) {
+          clock.restart_lists();
+          clock.next_list(offsets[i]);
+          const Schedule& schedule = *lists[i].schedule;
+          clock.play(lists[i],
+                     blocks ? VirtualClock::ops(schedule, false)
+                            : with_turn(schedule, false, turn, false),
+                     false, out[i], 1.0);
+        }
+      }
+      continue;
+    }
+    for (std::size_t i = lists.size(); i-- > 0;) {
+      clock.restart_lists();
+      clock.next_list(offsets[i]);
+      clock.play(lists[i], with_turn(*lists[i].schedule, true, turn, true), true, out[i], 1.0);
+    }
+  }
+  Simulation result = clock.result();
+  result.step_seconds = clock.step_end();
+  result.lists = std::move(out);
+  return result;
 }
 
 } // namespace blockswap

@@ -15,6 +15,11 @@ void Options::check(const std::string& label, int64_t blocks) const {
   const std::string at = detail::concat("[", label, "] ");
   BLOCKSWAP_CHECK_ARGUMENT(blocks >= 1, at, "ModelOffloader needs at least one block");
   const Mode mode = supports_backward ? Mode::training : Mode::forward_only;
+  BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 0, at, "rotating_slots R=", rotating_slots,
+                           " must be >= 0 (0: the default)");
+  BLOCKSWAP_CHECK_ARGUMENT(training_rotating_slots >= 0, at,
+                           "training_rotating_slots R=", training_rotating_slots,
+                           " must be >= 0 (0: the seed's layout)");
   try {
     if (blocks_to_swap != -1) {
       Schedule::check(blocks, blocks_to_swap, mode);
@@ -28,11 +33,6 @@ void Options::check(const std::string& label, int64_t blocks) const {
   } catch (const InvalidArgument& e) {
     throw InvalidArgument(at + e.what());
   }
-  BLOCKSWAP_CHECK_ARGUMENT(rotating_slots >= 0, at, "rotating_slots R=", rotating_slots,
-                           " must be >= 0 (0: the default)");
-  BLOCKSWAP_CHECK_ARGUMENT(training_rotating_slots >= 0, at,
-                           "training_rotating_slots R=", training_rotating_slots,
-                           " must be >= 0 (0: the seed's layout)");
   if (blocks_to_swap == -1) {
     const bool budget = shared_device ? shared_device->budget_bytes() > 0 : device_budget_bytes > 0;
     BLOCKSWAP_CHECK_ARGUMENT(budget, at,

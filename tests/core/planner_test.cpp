@@ -292,6 +292,18 @@ TEST(Planner, SplitStagesCutsContiguousStagesOfAboutEqualBytes) {
     EXPECT_LE(largest, (19 * 680 + 38 * 284) / double(stages) + 680) << stages << " stages";
   }
   EXPECT_EQ(split_stages(flux, 2)[0][1], (BlockRange{0, 0})); // 17 double blocks: 11.6 of 23.7
+  // DeepSpeed's partition_balanced (0.18.4) on the same weights: the smallest largest stage,
+  // filled from the first; what runs before the blocks counts with the first.
+  const auto sizes = [](const std::vector<std::vector<BlockRange>>& split) {
+    std::vector<int64_t> out;
+    for (const auto& stage : split) out.push_back(stage[0].end - stage[0].begin);
+    return out;
+  };
+  const std::vector<std::vector<std::size_t>> eight{std::vector<std::size_t>(8, 10)};
+  EXPECT_EQ(sizes(split_stages(eight, 3)), (std::vector<int64_t>{3, 3, 2}));
+  EXPECT_EQ(sizes(split_stages(eight, 5)), (std::vector<int64_t>{2, 2, 2, 1, 1}));
+  EXPECT_EQ(sizes(split_stages(eight, 3, 2)), (std::vector<int64_t>{2, 3, 3}));
+  EXPECT_EQ(sizes(split_stages(eight, 8)), (std::vector<int64_t>(8, 1)));
   EXPECT_THROW(split_stages(flux, 58), InvalidArgument);
   EXPECT_THROW(split_stages(flux, 0), InvalidArgument);
 }

@@ -311,3 +311,50 @@ TEST(TimedDevice, TheFileTierAgreesWithTheSimulator) {
 
 } // namespace
 } // namespace blockswap
+
+namespace blockswap {
+namespace {
+
+// A pipeline stage's micro-batches (Note [halves in the simulator]): the engine's turns, a
+// forward after a forward and a backward after a backward, played on the timed device as the
+// simulator plays them, two lists, GPipe and 1F1B, the seed's layout and rotating slots, links
+// slower and faster than the compute.
+TEST(TimedDevice, PipelineHalvesAgreeWithTheSimulator) {
+  for (const double gbps : {0.5, 2.0}) {
+    const LinkModel link{gbps * 1e9, 1e-4};
+    for (const int64_t rotating : {0, 1, 2}) {
+      for (const PipelineSchedule kind : {PipelineSchedule::gpipe, PipelineSchedule::one_f_one_b}) {
+        auto timed = std::make_shared<TimedDevice>(TimedDeviceOptions{.link = link});
+        Device device(timed);
+        Engine doubles(
+            device.attach("double"), std::vector<std::size_t>(6, 80'000'000),
+            {.blocks_to_swap = 3, .supports_backward = true, .training_rotating_slots = rotating},
+            "double");
+        Engine singles(
+            device.attach("single"), std::vector<std::size_t>(12, 40'000'000),
+            {.blocks_to_swap = 7, .supports_backward = true, .training_rotating_slots = rotating},
+            "single");
+        const BlockTiming td = uniform_timing(6, 0.08, 80'000'000),
+                          ts = uniform_timing(12, 0.04, 40'000'000);
+        const TimedList lists[] = {{&doubles, &td}, {&singles, &ts}};
+        const SimulatedList simulated[] = {{&doubles.schedule(), &td}, {&singles.schedule(), &ts}};
+        const auto halves = pipeline_halves(kind, 3, 0, 5);
+        const Simulation predicted = simulate_halves(simulated, halves, link);
+        doubles.prepare();
+        singles.prepare();
+        doubles.reset_stats();
+        singles.reset_stats();
+        const TimedStep measured = time_halves(*timed, lists, halves);
+        const std::string what =
+            detail::concat(to_string(kind), " R=", rotating, " ", gbps, " GB/s");
+        EXPECT_NEAR(measured.step_seconds / predicted.step_seconds, 1.0, 0.02) << what;
+        EXPECT_NEAR(measured.link_busy_seconds / predicted.link_busy_seconds, 1.0, 0.01) << what;
+        EXPECT_EQ(doubles.stats().h2d_bytes, doubles.schedule().loads(halves) * 80'000'000) << what;
+        EXPECT_EQ(singles.stats().h2d_bytes, singles.schedule().loads(halves) * 40'000'000) << what;
+      }
+    }
+  }
+}
+
+} // namespace
+} // namespace blockswap

@@ -178,16 +178,20 @@ int main(int argc, char** argv) {
                        "training: the bytes each block's forward saves for backward (64MiB, ...: "
                        "`blockswap run --offload-activations --json` measures them); predicts the "
                        "step and the device memory with activations offloaded and without");
-  plan_cmd
-      ->add_option("--stages", plan.stages,
-                   "pipeline training: cut the blocks into this many stages of about equal "
-                   "bytes, each on its own device of --budget, and plan each")
-      ->check(integer_in<int64_t>(1, 4096));
+  CLI::Option* stages =
+      plan_cmd
+          ->add_option("--stages", plan.stages,
+                       "pipeline training: cut the blocks into this many stages as DeepSpeed's "
+                       "partition by parameters does, each on its own device of --budget, and "
+                       "plan each")
+          ->check(integer_in<int64_t>(1, 4096));
   plan_cmd->add_option("--pipeline", plan.pipeline, "with --stages: gpipe or 1f1b")
-      ->check(CLI::IsMember({"gpipe", "1f1b"}))
+      ->check(CLI::IsMember({"gpipe", "1f1b"}, CLI::ignore_case))
+      ->needs(stages)
       ->capture_default_str();
   plan_cmd->add_option("--micro-batches", plan.micro_batches, "with --stages: per step")
       ->check(integer_in<int64_t>(1, 1 << 20))
+      ->needs(stages)
       ->capture_default_str();
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))

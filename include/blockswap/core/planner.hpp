@@ -71,15 +71,17 @@ std::vector<int64_t> best_rotating_slots(std::span<const int64_t> blocks_to_swap
                                          const LinkModel& link);
 
 // Pipeline stages (docs/distributed.md, "Pipeline stages"): the blocks of `lists`, run one list
-// after another, cut into `stages` contiguous stages of about equal bytes, as DeepSpeed's
-// partition by parameters cuts them. Per stage, per list: the first block and the end (a list
-// the stage has none of: an empty range). Throws InvalidArgument for fewer blocks than stages.
+// after another, cut into `stages` contiguous stages as DeepSpeed's partition_balanced cuts
+// layers by their parameters (Note [stage partition] in planner.cpp), `first_bytes` (what runs
+// before the blocks: embedders) counted with the first block. Per stage, per list: the first
+// block and the end (a list the stage has none of: an empty range). Throws InvalidArgument for
+// fewer blocks than stages.
 struct BlockRange {
   int64_t begin = 0, end = 0;
   friend bool operator==(const BlockRange&, const BlockRange&) = default;
 };
 std::vector<std::vector<BlockRange>> split_stages(std::span<const std::vector<std::size_t>> lists,
-                                                  int64_t stages);
+                                                  int64_t stages, std::size_t first_bytes = 0);
 
 // The order in which blocks are given host memory that is scarce (the file tier's budget,
 // pinned memory where the system caps it): the blocks a pass of `schedules[0]` loads by a move,

@@ -113,6 +113,11 @@ public:
   // after a backward, R more (Note [training rotation]). Throws InvalidArgument for a move in
   // `halves` or in forward-only mode.
   int64_t loads(std::span<const Op::Kind> halves) const;
+  // Training: the moves a turn makes before its half starts, slot by slot: a forward after a
+  // forward (Op::Kind::forward) puts back the blocks a pass starts with where the last forward
+  // ended with others, in block order; a backward after a backward (Op::Kind::backward) the
+  // reverse, from the last block down. R moves (Note [training rotation]).
+  std::vector<Move> turn_moves(Op::Kind half) const;
 
 private:
   void build_forward_only();

@@ -110,6 +110,12 @@ struct Simulation {
 // Throws Error when a list's timing does not have one entry per block, or a time is negative.
 Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link);
 Simulation simulate(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);
+// A pipeline stage's step (Note [halves in the simulator]): its micro-batches' halves in the
+// order given (pipeline_halves in core/schedule.hpp), from the steady state, each forward every
+// list's in order, each backward every list's in reverse, as time_halves plays them on the
+// timed device. Training lists only; throws Error for offloaded activations or the file tier.
+Simulation simulate_halves(std::span<const SimulatedList> lists, std::span<const Op::Kind> halves,
+                           const LinkModel& link);
 
 // T*: the bound that no execution of these schedules can beat, the largest of
 //   - the compute: every forward (and backward) of a step, one after another;
