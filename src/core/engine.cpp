@@ -212,6 +212,12 @@ bool Engine::compressed(int64_t block) const {
   return impl_->store_.compressed(block);
 }
 
+std::size_t Engine::host_frozen_bytes(int64_t block) const {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  return impl_->store_.stored_frozen_bytes(block);
+}
+
 CompressionStats Engine::compression() const {
   std::lock_guard lock(impl_->mutex_);
   CompressionStats stats;

@@ -123,6 +123,19 @@ void ModelOffloader::Impl::build() {
     share_->open(binder_.layouts()); // local rank 0's memory, or a new one on local rank 0
     engine_options.host_memory = share_->host_memory();
   }
+  // Note [compressed frozen views] in tier_views.cpp: only the frozen tensors' bytes, each
+  // range by its dtype; the front end's trainable bytes are never compressed.
+  if (options_.compress == Compress::on) {
+    engine_options.compress = Compress::on;
+    for (const auto& layout : binder_.layouts()) {
+      engine_options.frozen_ranges.push_back(torch_frontend::frozen_ranges(layout));
+    }
+    if (!share_) { // the node's copy holds no trainable bytes
+      for (const auto& layout : binder_.layouts()) {
+        engine_options.trainable_bytes.push_back(layout.trainable_bytes());
+      }
+    }
+  }
   if (fine_tuner_.enabled()) {
     engine_options.trainable_bytes.clear();
     for (const auto& layout : binder_.layouts()) {
@@ -155,6 +168,8 @@ void ModelOffloader::Impl::build() {
   binder_.pack(*engine_, copies); // it changes nothing when it fails
   try {
     engine_->allocate_slots(); // Note [slots after packing]
+    engine_->compress();       // then the decode buffer, on the device too
+    binder_.use_compressed_copies(*engine_);
   } catch (...) {
     binder_.restore_to_host();
     for (auto& [tensor, device] : was_on_device) {

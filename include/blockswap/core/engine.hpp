@@ -187,8 +187,10 @@ public:
   // them exists on the host) and its trainable bytes are at host_trainable(i). Throws Error when
   // the backend cannot decode; does nothing with compression off.
   void compress();
-  // Whether block i's frozen bytes are stored compressed (compress()).
+  // Whether block i's frozen bytes are stored compressed (compress()), and the bytes they take
+  // at the start of its host copy (compressed or not).
   bool compressed(int64_t block) const;
+  std::size_t host_frozen_bytes(int64_t block) const;
   CompressionStats compression() const;
   // Host bytes the engine's copies of the blocks hold now (their buffers and spares).
   std::size_t host_bytes() const;
