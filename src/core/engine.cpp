@@ -94,10 +94,19 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
                   label_,
                   "] the seed's replay copies every block back to host memory, which compressed "
                   "host copies do not allow: turn compression off");
-  BLOCKSWAP_CHECK(
-      options_.compress != Compress::on || options_.frozen_ranges.size() == block_bytes.size(), "[",
-      label_, "] compression needs the frozen ranges of each of the ", block_bytes.size(),
-      " blocks (EngineOptions::frozen_ranges), got ", options_.frozen_ranges.size());
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || !backend_->holds_data() ||
+                      options_.frozen_ranges.size() == block_bytes.size(),
+                  "[", label_, "] compression needs the frozen ranges of each of the ",
+                  block_bytes.size(), " blocks (EngineOptions::frozen_ranges), got ",
+                  options_.frozen_ranges.size());
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || backend_->holds_data() ||
+                      options_.modelled_compressed_bytes.size() == block_bytes.size(),
+                  "[", label_, "] ", backend_->name(),
+                  " holds no bytes to compress (it models time): compression there needs each of "
+                  "the ",
+                  block_bytes.size(),
+                  " blocks' compressed size (EngineOptions::modelled_compressed_bytes), got ",
+                  options_.modelled_compressed_bytes.size());
   BLOCKSWAP_CHECK(options_.compress != Compress::on || backend_->can_decode(), "[", label_, "] ",
                   backend_->name(),
                   " cannot decode compressed weights (a CUDA build without nvcc has no decoder): "
@@ -198,7 +207,9 @@ Compress parse_compress(const std::string& name) {
 void Engine::Impl::compress_once() {
   if (compressed_) return;
   compressed_ = true;
-  if (options_.compress == Compress::on) loads_.compress(options_.frozen_ranges);
+  if (options_.compress == Compress::on) {
+    loads_.compress(options_.frozen_ranges, options_.modelled_compressed_bytes);
+  }
 }
 
 void Engine::compress() {

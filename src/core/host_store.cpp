@@ -106,6 +106,22 @@ bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
   return true;
 }
 
+bool HostStore::model_compressed(int64_t block, std::size_t compressed_bytes) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(!backend_->holds_data() && !caller_memory_ && !b.in_file && b.host && !b.parsed,
+                   "block ", block, " cannot be modelled compressed");
+  const std::size_t frozen = b.bytes - b.trainable;
+  if (compressed_bytes == 0 || compressed_bytes >= frozen) return false;
+  const std::size_t at = layout::align_up(compressed_bytes);
+  b.host = std::make_shared<Buffer>(backend_->allocate_host(at + b.trainable));
+  auto parsed = std::make_shared<codec::Parsed>();
+  parsed->decoded_bytes = frozen;
+  b.parsed = std::move(parsed);
+  b.compressed = compressed_bytes;
+  b.trainable_at = at;
+  return true;
+}
+
 std::size_t HostStore::host_bytes(int64_t block) const {
   const Block& b = blocks_[block];
   return (b.host ? b.host->size() : 0) + (b.spare ? b.spare->size() : 0);

@@ -3,6 +3,7 @@
 // [compressed host copies] in host_store.cpp) are copied compressed into a device buffer and
 // decoded from there into their slot, on the copy stream.
 #include <algorithm>
+#include <string>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/load_pipeline.hpp"
@@ -14,20 +15,26 @@ void Backend::decode(std::byte* /*out*/, const std::byte* /*compressed*/, std::s
   throw Error(detail::concat(name(), ": this backend cannot decode compressed weights"));
 }
 
-void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges) {
+void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges,
+                            const std::vector<std::size_t>& modelled) {
   BLOCKSWAP_CHECK(!decode_buffer_, "[", label_, "] the host copies are compressed already");
-  BLOCKSWAP_CHECK(ranges.size() == staged_.size(), "[", label_, "] compression has ranges for ",
-                  ranges.size(), " blocks of ", staged_.size(), ": give one list per block");
+  const bool model = !backend_->holds_data();
+  const std::size_t given = model ? modelled.size() : ranges.size();
+  BLOCKSWAP_CHECK(
+      given == staged_.size(), "[", label_, "] compression has ",
+      model ? "modelled sizes" : "ranges", " for ", given, " blocks of ", staged_.size(),
+      ": give one per block",
+      model ? detail::concat(" (", backend_->name(), " holds no bytes to compress: it models time)")
+            : std::string());
   BLOCKSWAP_CHECK(backend_->can_decode(), "[", label_, "] ", backend_->name(),
                   " cannot decode compressed weights (a CUDA build without nvcc has no decoder): "
                   "turn compression off");
-  BLOCKSWAP_CHECK(backend_->holds_data(), "[", label_, "] ", backend_->name(),
-                  " holds no bytes to compress (it models time): the simulator and `blockswap "
-                  "plan` model compression there");
   std::size_t largest = 0;
   for (int64_t b = 0; b < store_.blocks(); ++b) {
     if (store_.caller_memory() || staged(b) || store_.tier(b) != HostStore::Tier::pinned) continue;
-    if (store_.compress(b, ranges[b])) largest = std::max(largest, store_.stored_frozen_bytes(b));
+    const bool shrank =
+        model ? store_.model_compressed(b, modelled[b]) : store_.compress(b, ranges[b]);
+    if (shrank) largest = std::max(largest, store_.stored_frozen_bytes(b));
   }
   if (largest > 0) decode_buffer_ = backend_->allocate_device(largest);
 }

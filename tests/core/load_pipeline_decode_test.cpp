@@ -185,11 +185,12 @@ TEST(Decode, OptionNamesAreCheckedAndTheRangesNeeded) {
 }
 
 // The timed device holds no bytes: it decodes in modelled time (decoded bytes over its decode
-// rate, on the copy stream after the copy), and refuses to compress.
+// rate, on the copy stream after the copy), and compresses only the sizes it is given
+// (compressed_timing_test.cpp).
 TEST(Decode, TimedDeviceSpendsTheDecodesTimeOnTheCopyStream) {
   TimedDeviceOptions timed;
   timed.link.bytes_per_second = 1e9;
-  timed.decode_bytes_per_second = 4e9;
+  timed.link.decode_bytes_per_second = 4e9;
   auto device = std::make_shared<TimedDevice>(timed);
   Buffer slot = device->allocate_device(1 << 20);
   Buffer compressed = device->allocate_device(1 << 19);
@@ -204,7 +205,7 @@ TEST(Decode, TimedDeviceSpendsTheDecodesTimeOnTheCopyStream) {
   EXPECT_GE(end - start, (1 << 19) / 1e9 + (1 << 20) / 4e9); // in series, after the copy
   EXPECT_THROW(Engine(device, sizes(0), options(Compress::on, 0, false)).compress(), Error);
   TimedDeviceOptions negative;
-  negative.decode_bytes_per_second = -1;
+  negative.link.decode_bytes_per_second = -1;
   EXPECT_THROW(TimedDevice{negative}, Error);
 }
 

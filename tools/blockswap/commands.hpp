@@ -71,6 +71,10 @@ struct PlanArgs {
   // Training: the bytes each block's forward saves for backward (empty: not predicted); the
   // step and the device memory for activations with and without offloading them.
   std::string activation_bytes;
+  // Compressed weights (Options::compress): the ratio (0: modelled from the checkpoint's dtypes,
+  // plan_compression.hpp) and the device's decode GB/s.
+  double compress_ratio = 0;
+  double decode_gbps = 200;
 };
 
 struct BenchArgs {

@@ -191,6 +191,17 @@ int main(int argc, char** argv) {
                        "training: the bytes each block's forward saves for backward (64MiB, ...: "
                        "`blockswap run --offload-activations --json` measures them); predicts the "
                        "step and the device memory with activations offloaded and without");
+  plan_cmd
+      ->add_option("--compress-ratio", plan.compress_ratio,
+                   "prediction with compressed weights (Options::compress): raw bytes over "
+                   "compressed bytes (default: modelled from the checkpoint's dtypes, bf16 1.40)")
+      ->check(number_in(1, 100));
+  plan_cmd
+      ->add_option("--decode-gbps", plan.decode_gbps,
+                   "prediction with compressed weights: the device's decode GB/s (decoded bytes; "
+                   "an assumption: the CUDA decoder is not yet measured)")
+      ->check(number_in(kMinLinkGbps, 1e6))
+      ->capture_default_str();
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))
       ->excludes(block_ms)

@@ -82,6 +82,10 @@ struct EngineOptions {
   // With compress on: per block, where its frozen bytes hold floating-point values (offsets in
   // its packed bytes, inside its frozen bytes); bytes outside every range are stored raw.
   std::vector<std::vector<codec::Range>> frozen_ranges = {};
+  // With compress on, where the backend holds no bytes (the timed device, which models time):
+  // per block, its frozen bytes compressed, as codec::encode would give them (frozen_ranges are
+  // not needed there). A block whose size is not below its frozen bytes stays raw.
+  std::vector<std::size_t> modelled_compressed_bytes = {};
 };
 
 // What compression saved (Engine::compression): the frozen bytes of the blocks it stores

@@ -79,6 +79,10 @@ public:
   // for a pinned block of the store's own memory, once, after it was filled and before its
   // first write-back.
   bool compress(int64_t block, std::span<const codec::Range> ranges);
+  // The same where the backend holds no bytes (Backend::holds_data: the timed device): block i's
+  // frozen bytes take `compressed_bytes` (a model of what codec::encode gives), and parsed()
+  // states only their decoded size. Returns whether it did (they are fewer than the raw ones).
+  bool model_compressed(int64_t block, std::size_t compressed_bytes);
   bool compressed(int64_t block) const { return blocks_[block].parsed != nullptr; }
   // The structure of block i's compressed frozen bytes (only when compressed()).
   const codec::Parsed& parsed(int64_t block) const { return *blocks_[block].parsed; }

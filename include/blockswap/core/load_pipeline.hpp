@@ -107,8 +107,11 @@ public:
   // may be (pinned host memory of the store's own) compressed with `ranges[i]` (where its frozen
   // bytes hold floating-point values), once the caller has filled them, and allocates the
   // device buffer their loads decode from (Note [a decode step]). Once; throws Error when the
-  // backend cannot decode, or `ranges` has not one entry per block.
-  void compress(const std::vector<std::vector<codec::Range>>& ranges);
+  // backend cannot decode, or `ranges` has not one entry per block. Where the backend holds no
+  // bytes (the timed device), `modelled[i]` are block i's compressed frozen bytes instead
+  // (HostStore::model_compressed; Error when empty).
+  void compress(const std::vector<std::vector<codec::Range>>& ranges,
+                const std::vector<std::size_t>& modelled = {});
   // Device memory the decode step holds (0 without compressed blocks).
   std::size_t decode_buffer_bytes() const { return decode_buffer_.size(); }
 

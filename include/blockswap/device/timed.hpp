@@ -45,9 +45,6 @@ class Engine;
 struct TimedDeviceOptions {
   LinkModel link;
   std::size_t capacity_bytes = std::numeric_limits<std::size_t>::max();
-  // Backend::decode of compressed weights: bytes it writes per second of the copy stream, in
-  // series after the compressed bytes' copy (0: it takes no time).
-  double decode_bytes_per_second = 0;
 };
 
 // A computation the compute stream ran.
@@ -74,7 +71,7 @@ public:
   void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                     int64_t tag) override;
   void set_copy_observer(CopyObserver observer) override;
-  // the copy stream busy for decoded bytes / TimedDeviceOptions::decode_bytes_per_second
+  // the copy stream busy for LinkModel::decode_seconds of the decoded bytes
   void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
               const codec::Parsed& parsed, int64_t tag) override;
   bool can_decode() const override;

@@ -375,11 +375,11 @@ TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<S
                   "timed device: the link needs bytes_per_second > 0 and latency_seconds >= 0, "
                   "got ",
                   options.link.bytes_per_second, " and ", options.link.latency_seconds);
-  BLOCKSWAP_CHECK(std::isfinite(options.decode_bytes_per_second) &&
-                      options.decode_bytes_per_second >= 0,
+  BLOCKSWAP_CHECK(std::isfinite(options.link.decode_bytes_per_second) &&
+                      options.link.decode_bytes_per_second >= 0,
                   "timed device: decode_bytes_per_second must be >= 0 (0: decoding takes no "
                   "time), got ",
-                  options.decode_bytes_per_second);
+                  options.link.decode_bytes_per_second);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
   for (int s = 0; s < 3; ++s) {
@@ -431,11 +431,11 @@ void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, 
 
 void TimedDevice::decode(std::byte*, const std::byte*, std::size_t, const codec::Parsed& parsed,
                          int64_t tag) {
-  const double rate = state_->options.decode_bytes_per_second;
-  if (rate <= 0) return;
+  const double seconds = state_->options.link.decode_seconds(parsed.decoded_bytes);
+  if (seconds <= 0) return;
   Task task;
   task.kind = Task::Kind::busy;
-  task.seconds = static_cast<double>(parsed.decoded_bytes) / rate;
+  task.seconds = seconds;
   task.tag = tag;
   task.copy = true;
   task.decode = true;
