@@ -104,6 +104,17 @@ def test_full_fine_tuning_is_bitwise(step_on, compress):
     assert_same(expected, got, f"{step_on} compress={compress}")
 
 
+def test_the_one_line_takes_compress_too():
+    reference, model = build("flux", dtype=torch.bfloat16), build("flux", dtype=torch.bfloat16)
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 2 // 3
+    with blockswap.offload(model, device_budget=budget, device="cpu",
+                           compress="on") as handle:
+        got = infer(model, "flux", dtype=torch.bfloat16)
+        assert sum(o.compression()["blocks"] for o in handle.offloaders.values()) > 0
+    assert torch.equal(got, expected)
+
+
 def test_frozen_tensors_off_the_device_are_empty_until_close():
     model = build("flux", dtype=torch.bfloat16)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

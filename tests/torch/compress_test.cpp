@@ -283,6 +283,29 @@ TEST(Compress, FrozenTensorsOffTheDeviceAreEmptyUntilClose) {
   }
 }
 
+// The planner (blocks_to_swap = -1) leaves room in the budget for the decode buffer.
+TEST(Compress, ThePlannedBlocksAndTheDecodeBufferFitTheBudget) {
+  for (bool on : {false, true}) {
+    Model model(kBlocks);
+    std::size_t total = 0;
+    for (const auto& b : model.blocks) {
+      for (const auto& p : b->parameters()) {
+        if (!p.requires_grad()) total += (std::size_t(p.nbytes()) + 255) / 256 * 256;
+      }
+    }
+    Options o = options(-1, false);
+    o.device_budget_bytes = total / 2;
+    o.compress = on ? Compress::on : Compress::off;
+    ModelOffloader offloader("blocks", model.modules(), o);
+    Inputs in;
+    torch::NoGradGuard no_grad;
+    offloader.prepare_block_devices_before_forward();
+    forward_run_block(offloader, model, in.x, in.context);
+    EXPECT_LE(offloader.device()->memory().peak_device_bytes, total / 2) << "compress " << on;
+    EXPECT_EQ(offloader.compression().decode_buffer_bytes > 0, on);
+  }
+}
+
 TEST(Compress, HostMemoryShrinksAndTheOptionIsChecked) {
   std::size_t kept[2] = {};
   for (bool on : {false, true}) {
