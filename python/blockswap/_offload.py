@@ -47,6 +47,12 @@ def _default_device(device):
     return _torch.device("cuda", _torch.cuda.current_device())
 
 
+def _compresses(options):
+    """Whether the offloaders compress their frozen weights (compress="on"): each list's decode
+    buffer then comes out of the device budget."""
+    return options.get("compress") in ("on", True)
+
+
 def _check_options(options):
     for name in options:
         if name in _OWN:
@@ -113,7 +119,8 @@ def offload(target, device_budget=None, *, device=None, blocks_to_swap=None,
     training = _training(target, supports_backward)
     frozen = _Frozen(target, training)
     try:
-        plan = _plan.plan(target, device_budget, device, training, blocks_to_swap, block_lists)
+        plan = _plan.plan(target, device_budget, device, training, blocks_to_swap, block_lists,
+                          _compresses(options))
         return Offloaded(target, plan, device, options, frozen)
     except BaseException:
         frozen.restore()
@@ -129,7 +136,8 @@ def plan_offload(target, device_budget=None, *, device=None, blocks_to_swap=None
     training = _training(target, supports_backward)
     frozen = _Frozen(target, training)
     try:
-        return _plan.plan(target, device_budget, device, training, blocks_to_swap, block_lists)
+        return _plan.plan(target, device_budget, device, training, blocks_to_swap, block_lists,
+                          _compresses(options))
     finally:
         frozen.restore()
 
@@ -155,9 +163,11 @@ class Offloaded:
         streamed = [x for x in plan.lists if x.blocks_to_swap > 0]
         # The Device's budget: what the fixed parts and the lists kept whole leave (at least
         # the streamed lists' slots; the rest is there for what else it allocates, such as
-        # the activations' device buffers).
-        left = 0 if plan.budget_bytes is None else plan.budget_bytes - plan.fixed_bytes - sum(
-            x.device_bytes for x in plan.lists if x.blocks_to_swap == 0)
+        # the activations' device buffers; with compress="on" the lists' decode buffers, which
+        # the plan counts in fixed_bytes).
+        left = 0 if plan.budget_bytes is None else (
+            plan.budget_bytes - plan.fixed_bytes + plan.decode_buffer_bytes
+            - sum(x.device_bytes for x in plan.lists if x.blocks_to_swap == 0))
         options = dict(options)
         link = options.pop("emulated_link_gbps", 0.0)
         capacity = options.pop("emulated_capacity_bytes", 0)

@@ -81,6 +81,16 @@ def _path(block_type, path):
                                    f"os.PathLike), got {path!r}") from None
 
 
+
+def _compress_name(block_type, compress):
+    """compress= as Options::compress names it: "off", "on" or "auto" (True and False too)."""
+    if isinstance(compress, bool):
+        return "on" if compress else "off"
+    if not isinstance(compress, str):
+        raise InvalidArgumentError(f"[{block_type}] compress must be 'off', 'on' or 'auto', got "
+                                   f"{compress!r}")
+    return compress
+
 class ModelOffloader:
     """The seed's ModelOffloader, positional arguments as the seed's, on blockswap's engine.
 
@@ -146,6 +156,12 @@ class ModelOffloader:
     device, which the offloader then fills from the file without a second copy). Weights read
     from the file for each load must equal the file's (checked once) and cannot change.
 
+    Compressed weights (docs/guide.md, "Compressed weights"): ``compress`` (``"on"``: the
+    blocks' frozen weights are kept in host memory losslessly compressed and decoded on the
+    device at each load: exact, less host memory, fewer bytes over the link; off the device
+    their frozen tensors have no elements, and ``close()`` gives them their values back;
+    ``"off"``, the default; ``"auto"``: off for now; True and False are ``"on"`` and ``"off"``).
+
     Activations (docs/guide.md, "Offloading activations"): ``offload_activations`` (what each
     block's forward saves for backward goes to host memory and comes back just before the
     block's backward; with ``blocks_to_swap=0`` too), ``activation_threshold_bytes`` (saved
@@ -164,7 +180,8 @@ class ModelOffloader:
                  step_on="auto", process_group=None, hook_blocks=False, weights_file=None,
                  weights_prefix="", weights_layout="", weights_map=None,
                  weights_from_file=None, host_budget_bytes=None,
-                 staging_buffers=2, file_reads="direct", offload_activations=False,
+                 staging_buffers=2, file_reads="direct", compress="off",
+                 offload_activations=False,
                  activation_threshold_bytes=_activations.DEFAULT_THRESHOLD_BYTES,
                  ring_size=None, use_pinned_memory=None):
         # The arguments, to build it again after a cast (Note [casting a managed model]).
@@ -186,6 +203,7 @@ class ModelOffloader:
                                 weights_from_file=weights_from_file,
                                 host_budget_bytes=host_budget_bytes,
                                 staging_buffers=staging_buffers, file_reads=file_reads,
+                                compress=compress,
                                 offload_activations=offload_activations,
                                 activation_threshold_bytes=activation_threshold_bytes,
                                 ring_size=ring_size, use_pinned_memory=use_pinned_memory))
@@ -248,7 +266,7 @@ class ModelOffloader:
             weights_prefix=weights_prefix, weights_layout=weights_layout,
             weights_map=weights_map, weights_from_file=bool(weights_from_file),
             host_budget_bytes=host_budget_bytes, staging_buffers=staging_buffers,
-            file_reads=file_reads)
+            file_reads=file_reads, compress=_compress_name(block_type, compress))
         if optimizer is not None:
             options.set_optimizer(optimizer._kind, optimizer._hyper())
         self._recorder = options.trace
@@ -375,7 +393,8 @@ class ModelOffloader:
                     raise InvalidArgumentError(f"{where}weights_map must be a dict or a callable "
                                                f"(the module's tensor name -> the file's), got "
                                                f"{value!r}")
-            elif name in ("weights_file", "weights_prefix", "weights_layout", "file_reads"):
+            elif name in ("weights_file", "weights_prefix", "weights_layout", "file_reads",
+                          "compress"):
                 if not isinstance(value, str):
                     raise InvalidArgumentError(f"{where}{name} must be a str, got {value!r}")
             elif name == "shared_device":
@@ -735,7 +754,9 @@ class ModelOffloader:
     def stats(self):
         """Bytes moved each way, moves, stall seconds, device bytes now and at most, bytes read
         from the file tier (``disk_bytes``), bytes staged from host memory the system would not
-        pin (``staged_bytes``: a warning said so); and the host memory blockswap page-locks on
+        pin (``staged_bytes``: a warning said so), the frozen bytes that crossed the link
+        compressed (``compress="on"``: ``decoded_bytes`` as decoded, ``compressed_bytes`` as
+        copied); and the host memory blockswap page-locks on
         this offloader's device, every offloader on it together (``Device.host_memory()``):
         ``pinned_host_bytes`` now and at most, the bytes those buffers hold
         (``kept_host_bytes``, ``peak_kept_host_bytes``), ``pageable_host_bytes``, and
@@ -743,7 +764,7 @@ class ModelOffloader:
         if self._impl is None:
             stats = {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
                      "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
-                     "staged_bytes": 0}
+                     "staged_bytes": 0, "decoded_bytes": 0, "compressed_bytes": 0}
             host = {"pinned_host_bytes": 0, "peak_pinned_host_bytes": 0, "kept_host_bytes": 0,
                     "peak_kept_host_bytes": 0, "pageable_host_bytes": 0, "pinned_per_kept": 0.0}
         else:
@@ -756,6 +777,16 @@ class ModelOffloader:
         if self._activations is not None:
             stats.update(self._activation_store.stats())
         return stats
+
+    def compression(self):
+        """With ``compress="on"``: the blocks whose frozen weights are stored compressed
+        (``blocks``), those weights' bytes raw and compressed (``raw_bytes``,
+        ``compressed_bytes``: the host memory saved is the difference), ``ratio`` (1.0 with
+        none) and the device bytes of the decode buffer (``decode_buffer_bytes``)."""
+        if self._impl is None:
+            return {"blocks": 0, "raw_bytes": 0, "compressed_bytes": 0, "ratio": 1.0,
+                    "decode_buffer_bytes": 0}
+        return self._impl.compression()
 
     def reset_stats(self):
         """Sets the counters of stats() to zero (device_bytes stays, and peak_device_bytes

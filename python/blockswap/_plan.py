@@ -110,6 +110,8 @@ class OffloadPlan:
         self.training = training
         self.lists = lists
         self.fixed_bytes = fixed_bytes  # weights that never move: on the device all along
+        self.decode_buffers = False  # compress="on": fixed_bytes holds each list's decode buffer
+        self.decode_buffer_bytes = 0  # those buffers' bytes, which the offloaders allocate
         self.smallest_budget_bytes = smallest_bytes
         self.placed = placed  # components placed whole on the device (a pipeline's VAE)
         self.device_bytes = 0
@@ -124,6 +126,8 @@ class OffloadPlan:
                  f"(the smallest that fits: {gib(self.smallest_budget_bytes)})",
                  f"  {'on the device':<{width}}  {gib(self.fixed_bytes)}: everything outside "
                  "the block lists, and the lists' trainable parameters and buffers"
+                 + ("; with compress='on', each list's decode buffer" if self.decode_buffers
+                    else "")
                  + (f"; placed whole: {', '.join(self.placed)}" if self.placed else "")]
         for x in self.lists:
             largest = max(x.block_bytes)
@@ -203,8 +207,16 @@ def _distinct(chosen, named):
     return kept
 
 
-def plan(target, device_budget, device, training, blocks_to_swap, block_lists):
-    """The OffloadPlan (changes nothing). The tensors may be on the meta device."""
+def _aligned(nbytes):
+    """As core/layout.hpp's align_up: device buffers are aligned to 256 bytes."""
+    return (nbytes + 255) // 256 * 256
+
+
+def plan(target, device_budget, device, training, blocks_to_swap, block_lists,
+         decode_buffers=False):
+    """The OffloadPlan (changes nothing). The tensors may be on the meta device.
+    ``decode_buffers``: compressed weights (compress="on"): each list's decode buffer, at most its
+    largest block's bytes, stays on the device beside the slots (counted in ``fixed``)."""
     components = _components(target)
     budget = None if device_budget is None else parse_bytes("device_budget", device_budget)
     chosen = _distinct(_chosen_lists(components, block_lists), block_lists is not None)
@@ -236,6 +248,8 @@ def plan(target, device_budget, device, training, blocks_to_swap, block_lists):
                 seen.add(id(t))
                 fixed += _bytes(t)
     sizes = [x.block_bytes for x in lists]
+    decode_buffer_bytes = sum(_aligned(max(x, default=0)) for x in sizes) if decode_buffers else 0
+    fixed += decode_buffer_bytes
     if not any(any(x) for x in sizes):
         raise InvalidArgumentError(
             "blockswap.offload: no parameter of the block lists is frozen, and blockswap swaps "
@@ -245,6 +259,8 @@ def plan(target, device_budget, device, training, blocks_to_swap, block_lists):
     smallest = _C.smallest_budget(sizes, training, fixed)
     placed = [c for c, _ in components if not _streams(c)] if len(components) > 1 else []
     result = OffloadPlan(str(device), budget, training, lists, fixed, smallest, placed)
+    result.decode_buffers = bool(decode_buffers)
+    result.decode_buffer_bytes = decode_buffer_bytes
     if blocks_to_swap is not None:
         ks = _given_ks(blocks_to_swap, lists)
         chosen_plan = _C.plan_for(sizes, ks, training, fixed)

@@ -38,6 +38,18 @@ py::dict to_dict(const Stats& s) {
   d["peak_device_bytes"] = s.peak_device_bytes;
   d["disk_bytes"] = s.disk_bytes;
   d["staged_bytes"] = s.staged_bytes;
+  d["decoded_bytes"] = s.decoded_bytes;
+  d["compressed_bytes"] = s.compressed_bytes;
+  return d;
+}
+
+py::dict to_dict(const CompressionStats& s) {
+  py::dict d;
+  d["blocks"] = s.blocks;
+  d["raw_bytes"] = s.raw_bytes;
+  d["compressed_bytes"] = s.compressed_bytes;
+  d["ratio"] = s.ratio();
+  d["decode_buffer_bytes"] = s.decode_buffer_bytes;
   return d;
 }
 
@@ -243,6 +255,15 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("emulated_link_gbps", &Options::emulated_link_gbps)
       .def_readwrite("emulated_capacity_bytes", &Options::emulated_capacity_bytes)
       .def_readwrite("strict_residency", &Options::strict_residency)
+      .def_property(
+          "compress", [](const Options& o) { return std::string(compress_name(o.compress)); },
+          [](Options& o, const std::string& name) {
+            try {
+              o.compress = parse_compress(name);
+            } catch (const Error& e) {
+              throw InvalidArgument(e.what());
+            }
+          })
       .def_readwrite("shared_device", &Options::shared_device)
       .def_readwrite("gradient_accumulation_steps", &Options::gradient_accumulation_steps)
       .def_property(
@@ -316,6 +337,7 @@ PYBIND11_MODULE(_C, m) {
       .def("blocks_to_swap", [](Offloader& o) { return o.get().blocks_to_swap(); })
       .def("device", [](Offloader& o) { return o.get().device(); })
       .def("stats", [](Offloader& o) { return to_dict(o.get().stats()); })
+      .def("compression", [](Offloader& o) { return to_dict(o.get().compression()); })
       .def("reset_stats", [](Offloader& o) { o.get().reset_stats(); })
       .def("set_learning_rate", [](Offloader& o, double lr) { o.get().set_learning_rate(lr); })
       .def("set_optimizer",

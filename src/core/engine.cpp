@@ -92,6 +92,27 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
                   "[", label_,
                   "] the seed's replay copies every block back to host memory, which "
                   "EngineOptions::host_memory and the file tier do not allow");
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || options_.algorithm != Algorithm::seed, "[",
+                  label_,
+                  "] the seed's replay copies every block back to host memory, which compressed "
+                  "host copies do not allow: turn compression off");
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || !backend_->holds_data() ||
+                      options_.frozen_ranges.size() == block_bytes.size(),
+                  "[", label_, "] compression needs the frozen ranges of each of the ",
+                  block_bytes.size(), " blocks (EngineOptions::frozen_ranges), got ",
+                  options_.frozen_ranges.size());
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || backend_->holds_data() ||
+                      options_.modelled_compressed_bytes.size() == block_bytes.size(),
+                  "[", label_, "] ", backend_->name(),
+                  " holds no bytes to compress (it models time): compression there needs each of "
+                  "the ",
+                  block_bytes.size(),
+                  " blocks' compressed size (EngineOptions::modelled_compressed_bytes), got ",
+                  options_.modelled_compressed_bytes.size());
+  BLOCKSWAP_CHECK(options_.compress != Compress::on || backend_->can_decode(), "[", label_, "] ",
+                  backend_->name(),
+                  " cannot decode compressed weights (a CUDA build without nvcc has no decoder): "
+                  "turn compression off");
   if (options_.supports_backward) {
     training_.emplace(schedule_options(block_bytes.size(), options_, Mode::training));
   }
@@ -163,6 +184,71 @@ bool Engine::in_file(int64_t block) const {
 std::size_t Engine::block_bytes(int64_t block) const {
   impl_->check_block(block);
   return impl_->store_.bytes(block);
+}
+
+const char* compress_name(Compress compress) {
+  switch (compress) {
+  case Compress::off:
+    return "off";
+  case Compress::on:
+    return "on";
+  case Compress::automatic:
+    return "auto";
+  }
+  return "?";
+}
+
+Compress parse_compress(const std::string& name) {
+  for (Compress c : {Compress::off, Compress::on, Compress::automatic}) {
+    if (name == compress_name(c)) return c;
+  }
+  throw Error(detail::concat("compress must be one of off, on, auto; got '", name, "'"));
+}
+
+// automatic is off until the planner says when compression pays (EngineOptions::compress).
+void Engine::Impl::compress_once() {
+  if (compressed_) return;
+  compressed_ = true;
+  if (options_.compress == Compress::on) {
+    loads_.compress(options_.frozen_ranges, options_.modelled_compressed_bytes);
+  }
+}
+
+void Engine::compress() {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->compress_once();
+}
+
+bool Engine::compressed(int64_t block) const {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  return impl_->store_.compressed(block);
+}
+
+std::size_t Engine::host_frozen_bytes(int64_t block) const {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  return impl_->store_.stored_frozen_bytes(block);
+}
+
+CompressionStats Engine::compression() const {
+  std::lock_guard lock(impl_->mutex_);
+  CompressionStats stats;
+  for (int64_t b = 0; b < impl_->blocks(); ++b) {
+    if (!impl_->store_.compressed(b)) continue;
+    ++stats.blocks;
+    stats.raw_bytes += impl_->store_.frozen_bytes(b);
+    stats.compressed_bytes += impl_->store_.stored_frozen_bytes(b);
+  }
+  stats.decode_buffer_bytes = impl_->loads_.decode_buffer_bytes();
+  return stats;
+}
+
+std::size_t Engine::host_bytes() const {
+  std::lock_guard lock(impl_->mutex_);
+  std::size_t bytes = 0;
+  for (int64_t b = 0; b < impl_->blocks(); ++b) bytes += impl_->store_.host_bytes(b);
+  return bytes;
 }
 
 void Engine::synchronize() {
@@ -237,6 +323,8 @@ Stats Engine::stats() const {
   Stats stats = impl_->stats_;
   stats.disk_bytes = impl_->loads_.counters().disk_bytes;
   stats.staged_bytes = impl_->loads_.counters().staged_bytes;
+  stats.decoded_bytes = impl_->loads_.counters().decoded_bytes;
+  stats.compressed_bytes = impl_->loads_.counters().compressed_bytes;
   return stats;
 }
 

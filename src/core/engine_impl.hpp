@@ -79,6 +79,7 @@ struct Engine::Impl {
   void synchronize_locked();
   void collect_stalls() const;
   void log(const std::string& line) const;
+  void compress_once(); // Engine::compress
 
   std::shared_ptr<Backend> backend_;
   EngineOptions options_;
@@ -88,6 +89,7 @@ struct Engine::Impl {
   bool is_forward_only_;
   bool switched_since_prepare_ = false; // set_forward_only changed the mode after prepare()
   bool enabled_ = true;
+  bool compressed_ = false; // compress_once has run
   std::size_t slot_bytes_ = 0;
   std::vector<int64_t> priority_; // host memory's (core/planner.hpp, host_priority)
   HostStore store_;               // every host address

@@ -44,6 +44,7 @@ std::string format_seconds(double seconds) {
 // waits here for the previous pass's compute.
 void Engine::prepare() {
   std::lock_guard lock(impl_->mutex_);
+  impl_->compress_once(); // Note [compressed host copies]: the caller has filled the host copies
   const int64_t n = blocks();
   const std::vector<int64_t>& initial = impl_->current().initial_slots();
   // A forward after a forward (a pipeline stage's warm-up): the blocks put back are waited for

@@ -1,8 +1,10 @@
 #include "blockswap/core/host_store.hpp"
 
+#include <cstring>
 #include <utility>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 
 namespace blockswap {
 
@@ -29,6 +31,7 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
                                                         : block.bytes;
     BLOCKSWAP_CHECK(block.trainable <= block.bytes, "[", label, "] block ", i, " has ", block.bytes,
                     " bytes, fewer than its ", block.trainable, " trainable bytes");
+    block.trainable_at = block.bytes - block.trainable;
     if (block.in_file) {
       BLOCKSWAP_CHECK(block.trainable == 0, "[", label, "] block ", i, " has ", block.trainable,
                       " trainable bytes, which cannot live in the model's file: the file tier "
@@ -64,6 +67,64 @@ void HostStore::reallocate(int64_t block, const std::function<void()>& meanwhile
   b.host.reset();
   meanwhile();
   b.host = std::make_shared<Buffer>(backend_->allocate_host(b.bytes));
+}
+
+// Note [compressed host copies]
+// A block's frozen bytes never change on the device (only its trainable bytes are written back),
+// so they may be stored in a form the device decodes on the way in (DESIGN.md "Compressed
+// weights"; Note [a decode step] in load_pipeline.cpp): codec::encode's lossless block, with a
+// checksum of the raw bytes. The block's buffer is then [compressed frozen bytes | padding to
+// layout::kAlignment | trainable bytes]: the trainable bytes keep their own region (the first of
+// the two of Note [atomic write-back]), aligned so that views of them stay aligned. The raw
+// buffer is freed: the host memory saved is real. What is not compressed, and why:
+// - the blocks in the file and in pageable memory: the staging ring's reader was given their
+//   raw addresses and sizes when the load pipeline was built (core/staging_ring.hpp), before the
+//   caller filled them; they stay raw for now (the file tier reads the file as it is);
+// - the caller's memory (the node-shared copy): the store never writes it;
+// - a block whose new buffer the system would not pin: a copy from it could not overlap.
+bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(!caller_memory_ && !b.in_file && b.host && !b.parsed && !b.spare &&
+                       !b.host->pageable(),
+                   "block ", block, " cannot be compressed");
+  const std::size_t frozen = b.bytes - b.trainable;
+  if (frozen == 0) return false;
+  std::vector<std::byte> packed =
+      codec::encode(std::span<const std::byte>(b.host->data(), frozen), ranges);
+  const std::size_t at = layout::align_up(packed.size());
+  if (at + b.trainable >= layout::align_up(frozen) + b.trainable) return false; // no smaller
+  Buffer host = backend_->allocate_host(at + b.trainable);
+  if (host.pageable()) return false;
+  std::memcpy(host.data(), packed.data(), packed.size());
+  std::memset(host.data() + packed.size(), 0, at - packed.size());
+  if (b.trainable > 0) std::memcpy(host.data() + at, b.host->data() + frozen, b.trainable);
+  b.parsed = std::make_shared<const codec::Parsed>(
+      codec::parse(std::span<const std::byte>(host.data(), packed.size())));
+  b.host = std::make_shared<Buffer>(std::move(host));
+  b.compressed = packed.size();
+  b.trainable_at = at;
+  return true;
+}
+
+bool HostStore::model_compressed(int64_t block, std::size_t compressed_bytes) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_ASSERT(!backend_->holds_data() && !caller_memory_ && !b.in_file && b.host && !b.parsed,
+                   "block ", block, " cannot be modelled compressed");
+  const std::size_t frozen = b.bytes - b.trainable;
+  if (compressed_bytes == 0 || compressed_bytes >= frozen) return false;
+  const std::size_t at = layout::align_up(compressed_bytes);
+  b.host = std::make_shared<Buffer>(backend_->allocate_host(at + b.trainable));
+  auto parsed = std::make_shared<codec::Parsed>();
+  parsed->decoded_bytes = frozen;
+  b.parsed = std::move(parsed);
+  b.compressed = compressed_bytes;
+  b.trainable_at = at;
+  return true;
+}
+
+std::size_t HostStore::host_bytes(int64_t block) const {
+  const Block& b = blocks_[block];
+  return (b.host ? b.host->size() : 0) + (b.spare ? b.spare->size() : 0);
 }
 
 HostRegion HostStore::trainable(int64_t block) const {

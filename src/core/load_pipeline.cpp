@@ -241,12 +241,17 @@ void LoadPipeline::read_ahead() {
 }
 
 // Note [a decode step]
-// Bytes that are not the slot's as they are (losslessly compressed weights) are decoded on the
-// device between the source and the slot: both paths (copy_into in load_pipeline.hpp for pinned
-// memory, copy_staged below) end in one copy_to_device of the source's bytes, which for such a
-// block copies them into a device buffer the Device accounts for, followed on the copy stream by
-// the decode into the slot. The source, the ring and the read order stay as they are; the host
-// copy, the node-shared copy and the staging buffers hold the compressed bytes.
+// Bytes that are not the slot's as they are (losslessly compressed weights, Note [compressed
+// host copies] in host_store.cpp) are decoded on the device between the source and the slot:
+// the load copies the compressed frozen bytes into a device buffer the Device accounts for
+// (one, allocated by compress(): the copy stream runs in order, so the next copy into it waits
+// for the decode out of it), enqueues Backend::decode from there into the slot on the copy
+// stream, then copies the trainable bytes (never compressed) into the slot
+// (load_pipeline_decode.cpp). The block's load event is recorded after all three, so compute
+// waits for the decode as it waited for the copy; a damaged block fails as a failed copy does,
+// at the block's wait. The source and the read order stay as they are. Today the pinned host
+// copies hold compressed bytes; the staging ring, the file and the node-shared copy hold raw
+// ones (the note in host_store.cpp says why).
 
 // Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
 // stream, and the host goes on; it waits for the read only when the block is about to be

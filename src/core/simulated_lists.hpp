@@ -32,6 +32,21 @@ inline void check_list(const SimulatedList& list) {
                   " blocks in the schedule but ", t.from_file.size(), " file-tier flags");
   BLOCKSWAP_CHECK(t.activation_bytes.empty() || t.activation_bytes.size() == n, "simulator: ", n,
                   " blocks in the schedule but ", t.activation_bytes.size(), " activation sizes");
+  BLOCKSWAP_CHECK(t.compressed_bytes.empty() || t.compressed_bytes.size() == n, "simulator: ", n,
+                  " blocks in the schedule but ", t.compressed_bytes.size(), " compressed sizes");
+}
+
+inline bool from_file(const BlockTiming& timing, int64_t block) {
+  return !timing.from_file.empty() && timing.from_file[block];
+}
+
+// A load of `block` on the copy stream: its bytes over the link, compressed where they are
+// (BlockTiming::compressed_bytes; the file's are not), then their decode.
+inline double load_seconds(const BlockTiming& timing, int64_t block, const LinkModel& link) {
+  if (timing.compressed_bytes.empty() || from_file(timing, block)) {
+    return link.seconds(timing.bytes[block]);
+  }
+  return link.seconds(timing.compressed_bytes[block]) + link.decode_seconds(timing.bytes[block]);
 }
 
 inline std::size_t activation_bytes(const BlockTiming& timing, int64_t block) {
@@ -49,6 +64,10 @@ inline void check_lists(std::span<const SimulatedList> lists, const LinkModel& l
                       link.bytes_per_second > 0 && link.latency_seconds >= 0,
                   "simulator: the link needs bytes_per_second > 0 and latency_seconds >= 0, got ",
                   link.bytes_per_second, " and ", link.latency_seconds);
+  BLOCKSWAP_CHECK(std::isfinite(link.decode_bytes_per_second) && link.decode_bytes_per_second >= 0,
+                  "simulator: decode_bytes_per_second must be >= 0 (0: decoding takes no time), "
+                  "got ",
+                  link.decode_bytes_per_second);
   for (const SimulatedList& list : lists) {
     check_list(list);
     BLOCKSWAP_CHECK(list.schedule->mode() == lists[0].schedule->mode(),

@@ -175,7 +175,7 @@ private:
 
   void move(const Schedule& schedule, const BlockTiming& timing, const Op& op, double weight) {
     const std::size_t in = timing.bytes[op.move.in];
-    const bool from_file = !timing.from_file.empty() && timing.from_file[op.move.in];
+    const bool from_file = simulated::from_file(timing, op.move.in);
     double read_end = 0;
     if (from_file) { // the read waits for the disk and a free staging buffer, not the compute
       read_end = std::max(disk_, staging_[next_staging_]) + link_.disk_seconds(in);
@@ -187,7 +187,13 @@ private:
     copy_ = std::max(copy_, compute_);
     if (schedule.writes_back()) copy(timing.bytes[op.move.out], weight);
     copy_ = std::max(copy_, read_end); // the copy out of the staging buffer waits for its read
-    copy(in, weight);
+    if (!from_file && !timing.compressed_bytes.empty()) { // the compressed bytes, then the decode
+      copy(timing.compressed_bytes[op.move.in], weight);
+      copy_ += link_.decode_seconds(in);
+      busy_link_ += weight * link_.decode_seconds(in);
+    } else {
+      copy(in, weight);
+    }
     if (from_file) {
       staging_[next_staging_] = copy_;
       next_staging_ = (next_staging_ + 1) % staging_.size();
@@ -218,6 +224,11 @@ double LinkModel::seconds(std::size_t bytes) const {
 
 double LinkModel::disk_seconds(std::size_t bytes) const {
   return static_cast<double>(bytes) / disk_bytes_per_second;
+}
+
+double LinkModel::decode_seconds(std::size_t decoded_bytes) const {
+  return decode_bytes_per_second > 0 ? static_cast<double>(decoded_bytes) / decode_bytes_per_second
+                                     : 0.0;
 }
 
 BlockTiming uniform_timing(int64_t blocks, double forward_seconds, std::size_t bytes,

@@ -18,8 +18,8 @@ using namespace simulated;
 double slot_seconds(const SimulatedList& list, const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
   const BlockTiming& timing = *list.timing;
-  auto load_seconds = [&](const Move& m) {
-    double seconds = link.seconds(timing.bytes[m.in]);
+  auto move_seconds = [&](const Move& m) {
+    double seconds = load_seconds(timing, m.in, link);
     if (schedule.writes_back()) seconds += link.seconds(timing.bytes[m.out]);
     return seconds;
   };
@@ -29,7 +29,7 @@ double slot_seconds(const SimulatedList& list, const LinkModel& link) {
     double rotating = 0;
     for (int64_t b = 0; b < schedule.blocks(); ++b) {
       for (const Move& m : schedule.after_forward(b)) {
-        rotating += timing.forward_seconds[m.out] + load_seconds(m);
+        rotating += timing.forward_seconds[m.out] + move_seconds(m);
       }
     }
     return rotating / static_cast<double>(schedule.rotating_slots());
@@ -38,7 +38,7 @@ double slot_seconds(const SimulatedList& list, const LinkModel& link) {
   for (const Op& op : schedule.pass()) {
     if (op.slot < 0) continue;
     per_slot[op.slot] +=
-        op.kind == Op::Kind::move ? load_seconds(op.move) : compute_seconds(timing, op);
+        op.kind == Op::Kind::move ? move_seconds(op.move) : compute_seconds(timing, op);
   }
   return per_slot.empty() ? 0.0 : *std::max_element(per_slot.begin(), per_slot.end());
 }
@@ -65,7 +65,7 @@ double chained_pass_seconds(const SimulatedList& list, double pass_compute, cons
   for (int64_t i = 0; i < q; ++i) {
     const int64_t b = rotating[i * r];
     chain += timing.forward_seconds[b];
-    if (i > 0) chain += link.seconds(timing.bytes[b]);
+    if (i > 0) chain += load_seconds(timing, b, link);
   }
   double inside = 0; // this list's computes within the stretch
   for (int64_t b = rotating[0]; b <= rotating[(q - 1) * r]; ++b) {
@@ -107,12 +107,12 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
     }
     if (first_move < 0) first_move = static_cast<std::ptrdiff_t>(i);
     last_move = static_cast<std::ptrdiff_t>(i);
-    copies += link.seconds(timing.bytes[op.move.in]);
+    copies += load_seconds(timing, op.move.in, link);
     if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
     if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
       if (reads.empty()) {
         before_first_read = compute;
-        first_read_copy = link.seconds(timing.bytes[op.move.in]);
+        first_read_copy = load_seconds(timing, op.move.in, link);
       }
       reads.push_back(link.disk_seconds(timing.bytes[op.move.in]));
     }
@@ -148,7 +148,7 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
         reads.size() <= q
             ? 0.0 // all of them may be read already
             : std::min(all_but(q - 1), before_first_read + first_read_copy + all_but(q));
-    disk = rest + link.seconds(timing.bytes[last_loaded]) + after;
+    disk = rest + load_seconds(timing, last_loaded, link) + after;
   }
   return std::max({compute, before + copies + after, disk});
 }
@@ -205,7 +205,7 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
         staged +=
             link.disk_seconds(timing.bytes[op.move.in]) + link.seconds(timing.bytes[op.move.in]);
       }
-      copies += link.seconds(timing.bytes[op.move.in]);
+      copies += load_seconds(timing, op.move.in, link);
       if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
     }
     slots = std::max(slots, slot_seconds(list, link));

@@ -152,6 +152,12 @@ public:
     }
   }
 
+  void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+              const codec::Parsed& parsed, int64_t tag) override {
+    state_->backend->decode(out, compressed, bytes, parsed, Device::State::tag_of(id_, tag));
+  }
+  bool can_decode() const override { return state_->backend->can_decode(); }
+  bool holds_data() const override { return state_->backend->holds_data(); }
   void poison(std::byte* device, std::size_t bytes) override {
     state_->backend->poison(device, bytes);
   }

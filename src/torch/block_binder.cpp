@@ -110,6 +110,24 @@ void BlockBinder::pack(Engine& engine, HostCopies copies) {
   }
 }
 
+void BlockBinder::use_compressed_copies(const Engine& engine) {
+  const c10::InferenceMode normal(false); // Note [inference mode]
+  for (std::size_t b = 0; b < layouts_.size(); ++b) {
+    const auto block = static_cast<int64_t>(b);
+    if (!engine.compressed(block)) continue;
+    views_.use_compressed(block, engine.host_buffer(block), engine.host_frozen_bytes(block));
+    trainable_hosts_[b] = engine.host_trainable(block);
+    for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
+      if (bound_[b][i].on_device) continue;
+      const PackedTensor& t = layouts_[b].tensors[i];
+      bind(block, i,
+           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                   : host_view(block, t),
+           false);
+    }
+  }
+}
+
 // Note [changed tensors]
 // A block's weights are the caller's too: weights loaded with copy_ or torch::load (which
 // rebinds them with set_), a checkpoint restored while blocks are swapped. Each time blockswap
@@ -141,6 +159,11 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
+  BLOCKSWAP_CHECK(!views_.compressed(block) || t.role != Role::frozen, "[", label_,
+                  "] frozen tensor '", t.name, "' of block ", block,
+                  " was changed, but its host copy is compressed (Options::compress), with no raw "
+                  "copy to keep the change in: change frozen weights before building the "
+                  "offloader, or turn compress off");
   // Note [changes to the file tier] in tier_views.cpp
   if (views_.read_only(block) && t.role == Role::frozen) {
     const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
@@ -271,6 +294,14 @@ void BlockBinder::on_written_back(int64_t block, const HostRegion& trainable) {
 void BlockBinder::restore_to_host() {
   const c10::InferenceMode normal(false); // Note [inference mode]
   rebind_lost_views();
+  for (std::size_t b = 0; b < layouts_.size(); ++b) { // Note [compressed frozen views]
+    try {
+      views_.decode_host_copy(static_cast<int64_t>(b), layouts_[b].trainable_offset);
+    } catch (const std::exception& e) {
+      warn("", detail::concat("[", label_, "] block ", b, ": ", e.what(),
+                              "; its frozen weights are left with no elements"));
+    }
+  }
   for (std::size_t b = 0; b < layouts_.size() && b < trainable_hosts_.size(); ++b) {
     for (std::size_t i = 0; i < layouts_[b].tensors.size(); ++i) {
       PackedTensor& t = layouts_[b].tensors[i];

@@ -45,6 +45,10 @@ public:
   // shared_filled), then points them at those copies and claims them. All or nothing: when it
   // throws, no tensor has changed.
   void pack(Engine& engine, HostCopies copies = HostCopies::own);
+  // After Engine::compress: the blocks it compressed have new host copies (Note [compressed
+  // frozen views] in tier_views.cpp); their tensors are bound again (frozen ones to tensors with
+  // no elements).
+  void use_compressed_copies(const Engine& engine);
   // Saves what the caller changed, points every packed tensor at its host copy (sharing the
   // buffer, which outlives the engine) and releases the claims. Never throws.
   void restore_to_host();

@@ -5,6 +5,7 @@
 #include <ATen/ops/from_blob.h>
 #include <torch/nn/module.h> // tensor_blocks: the modules' named parameters and buffers
 
+#include <algorithm>
 #include <mutex>
 #include <optional>
 #include <unordered_map>
@@ -185,6 +186,36 @@ at::Tensor view(const std::shared_ptr<Buffer>& memory, std::size_t offset, const
   return at::from_blob(
       memory->data() + offset, t.sizes, [keep = memory](void*) mutable { keep.reset(); },
       at::TensorOptions().dtype(t.dtype).device(device));
+}
+
+std::vector<codec::Range> frozen_ranges(const BlockLayout& layout) {
+  std::vector<codec::Range> ranges;
+  for (const PackedTensor& t : layout.tensors) {
+    if (t.role != Role::frozen) continue;
+    codec::DType dtype = codec::DType::raw;
+    switch (t.dtype) {
+    case at::kBFloat16:
+      dtype = codec::DType::bf16;
+      break;
+    case at::kHalf:
+      dtype = codec::DType::fp16;
+      break;
+    case at::kFloat:
+      dtype = codec::DType::fp32;
+      break;
+    default:
+      if (c10::isFloat8Type(t.dtype)) dtype = codec::DType::fp8;
+      break;
+    }
+    if (dtype == codec::DType::raw) continue;
+    int64_t numel = 1;
+    for (int64_t s : t.sizes) numel *= s;
+    const auto bytes = static_cast<uint64_t>(numel) * c10::elementSize(t.dtype);
+    if (bytes > 0) ranges.push_back(codec::Range{t.offset, bytes, dtype});
+  }
+  std::sort(ranges.begin(), ranges.end(),
+            [](const codec::Range& a, const codec::Range& b) { return a.offset < b.offset; });
+  return ranges;
 }
 
 } // namespace blockswap::torch_frontend

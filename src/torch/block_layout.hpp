@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/codec.hpp"
 #include "blockswap/torch/offloader.hpp"
 
 namespace blockswap::torch_frontend {
@@ -90,6 +91,10 @@ std::vector<BlockLayout> layout_blocks(const std::vector<TensorBlock>& blocks,
 // longer. Never throw.
 void claim(const std::vector<BlockLayout>& layouts);
 void release_claims(const std::vector<BlockLayout>& layouts);
+
+// The codec's ranges (core/codec.hpp) of a block's frozen tensors: each bfloat16, float16,
+// float32 and float8 one by its dtype, in offset order; the others (and the padding) stay raw.
+std::vector<codec::Range> frozen_ranges(const BlockLayout& layout);
 
 // Tensor `t` over packed bytes: `memory` holds its first byte at `offset`, on `device`. The
 // tensor keeps `memory` alive. The one place where packed bytes become a tensor again.

@@ -256,6 +256,10 @@ Stats ModelOffloader::stats() const {
   return impl_->engine().stats();
 }
 
+CompressionStats ModelOffloader::compression() const {
+  return impl_->engine().compression();
+}
+
 ActivationStats ModelOffloader::activation_stats() const {
   return blockswap::activation_stats(impl_->compute_device());
 }

@@ -3,10 +3,12 @@
 // the front end. Its verbs are in model_offloader.cpp.
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <unordered_set>
 #include <utility>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
 #include "file_weights.hpp"
@@ -45,11 +47,21 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
                               const Device& device, const std::vector<BlockLayout>& layouts) {
   if (options.blocks_to_swap != -1) return options.blocks_to_swap;
   std::vector<std::size_t> bytes;
-  for (const auto& layout : layouts) bytes.push_back(layout.bytes);
+  // Compressed weights: the decode buffer (its largest block's frozen bytes compressed, at most
+  // them) comes out of the budget beside the slots (Note [a decode step] in load_pipeline.cpp).
+  std::size_t decode_buffer = 0;
+  for (const auto& layout : layouts) {
+    bytes.push_back(layout.bytes);
+    decode_buffer = std::max(decode_buffer, layout.trainable_offset);
+  }
+  if (options.compress != Compress::on) decode_buffer = 0;
+  auto less_decode_buffer = [&](std::size_t budget) {
+    return budget - std::min(budget, layout::align_up(decode_buffer));
+  };
   const Mode mode = options.supports_backward ? Mode::training : Mode::forward_only;
   if (options.shared_device && device.budget_bytes() > 0) {
     // What the offloaders made before this one left of the device's budget.
-    const std::size_t left = device.available_bytes();
+    const std::size_t left = less_decode_buffer(device.available_bytes());
     try {
       return plan_blocks_to_swap(bytes, left, mode);
     } catch (const Error& e) {
@@ -60,7 +72,7 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
     }
   }
   try {
-    return plan_blocks_to_swap(bytes, options.device_budget_bytes, mode);
+    return plan_blocks_to_swap(bytes, less_decode_buffer(options.device_budget_bytes), mode);
   } catch (const Error& e) {
     throw OutOfMemory(detail::concat("[", label, "] ", e.what()));
   }
@@ -124,6 +136,19 @@ void ModelOffloader::Impl::build() {
     share_->open(binder_.layouts()); // local rank 0's memory, or a new one on local rank 0
     engine_options.host_memory = share_->host_memory();
   }
+  // Note [compressed frozen views] in tier_views.cpp: only the frozen tensors' bytes, each
+  // range by its dtype; the front end's trainable bytes are never compressed.
+  if (options_.compress == Compress::on) {
+    engine_options.compress = Compress::on;
+    for (const auto& layout : binder_.layouts()) {
+      engine_options.frozen_ranges.push_back(torch_frontend::frozen_ranges(layout));
+    }
+    if (!share_) { // the node's copy holds no trainable bytes
+      for (const auto& layout : binder_.layouts()) {
+        engine_options.trainable_bytes.push_back(layout.trainable_bytes());
+      }
+    }
+  }
   if (fine_tuner_.enabled()) {
     engine_options.trainable_bytes.clear();
     for (const auto& layout : binder_.layouts()) {
@@ -156,6 +181,8 @@ void ModelOffloader::Impl::build() {
   binder_.pack(*engine_, copies); // it changes nothing when it fails
   try {
     engine_->allocate_slots(); // Note [slots after packing]
+    engine_->compress();       // then the decode buffer, on the device too
+    binder_.use_compressed_copies(*engine_);
   } catch (...) {
     binder_.restore_to_host();
     for (auto& [tensor, device] : was_on_device) {

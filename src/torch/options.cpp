@@ -86,6 +86,12 @@ void Options::check(const std::string& label, int64_t blocks) const {
                            "weights_file with node_sharing: the ranks of a node read the file "
                            "each on their own, without node sharing (docs/guide.md, \"When the "
                            "model does not fit in host memory\")");
+  BLOCKSWAP_CHECK_ARGUMENT(compress != Compress::on || algorithm != Algorithm::seed, at,
+                           "the seed's replay copies every block back to host memory, which "
+                           "compressed host copies (compress on) do not allow");
+  BLOCKSWAP_CHECK_ARGUMENT(compress != Compress::on || !node_sharing, at,
+                           "compress on with node_sharing: the node-shared host copy is not "
+                           "compressed yet; turn one of them off");
   BLOCKSWAP_CHECK_ARGUMENT(!host_budget_bytes || algorithm != Algorithm::seed, at,
                            "the seed's replay copies every block back to host memory, which the "
                            "file tier (host_budget_bytes) does not allow");

@@ -2,9 +2,14 @@
 
 #include <ATen/ops/empty.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <span>
 
+#include "blockswap/core/codec.hpp"
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
 
 namespace blockswap::torch_frontend {
@@ -24,8 +29,45 @@ TierViews::Fill TierViews::fill_host_copy(int64_t block) {
   return Fill::all_but_frozen;
 }
 
+// Note [compressed frozen views]
+// With Options::compress a block's frozen bytes exist in host memory only compressed (Note
+// [compressed host copies] in core/host_store.cpp): no tensor can view them. Off the device, its
+// frozen tensors have no elements, as with strict_residency: read them while the block is on
+// the device (inside its forward, or with the offloader disabled), or turn compression off
+// (docs/guide.md). At close, restore_to_host decodes them (decode_host_copy) into host memory
+// of their own, so the module keeps its weights. A caller's change to such a tensor cannot be
+// kept: BlockBinder raises it.
+void TierViews::use_compressed(int64_t block, std::shared_ptr<Buffer> host,
+                               std::size_t compressed_bytes) {
+  const auto b = static_cast<std::size_t>(block);
+  if (compressed_bytes_.empty()) {
+    compressed_bytes_.assign(hosts_.size(), 0);
+    decoded_.resize(hosts_.size());
+  }
+  hosts_[b] = std::move(host);
+  compressed_bytes_[b] = compressed_bytes;
+}
+
+void TierViews::decode_host_copy(int64_t block, std::size_t frozen_bytes) {
+  const auto b = static_cast<std::size_t>(block);
+  if (!compressed(block)) return;
+  auto* data = static_cast<std::byte*>(std::aligned_alloc(
+      layout::kAlignment, layout::align_up(std::max<std::size_t>(frozen_bytes, 1))));
+  BLOCKSWAP_CHECK(data != nullptr, "[", label_, "] cannot allocate ", frozen_bytes,
+                  " bytes of host memory to decode block ", block, "'s frozen weights into");
+  auto decoded =
+      std::make_shared<Buffer>(data, frozen_bytes, [](std::byte* p, std::size_t) { std::free(p); });
+  codec::decode(std::span<const std::byte>(hosts_[b]->data(), compressed_bytes_[b]),
+                std::span<std::byte>(decoded->data(), frozen_bytes));
+  decoded_[b] = std::move(decoded);
+}
+
 at::Tensor TierViews::frozen(int64_t block, const PackedTensor& t) const {
   // The view shares the buffer: the weights outlive the engine.
+  if (!decoded_.empty() && decoded_[static_cast<std::size_t>(block)]) {
+    return view(decoded_[static_cast<std::size_t>(block)], t.offset, t, at::kCPU);
+  }
+  if (compressed(block)) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
   if (read_only(block)) {
     if (file_gone_) return at::empty({0}, at::TensorOptions().dtype(t.dtype));
     return view(file_map_.bytes.at(t.file), t.file_offset, t, at::kCPU);

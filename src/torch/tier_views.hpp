@@ -38,6 +38,19 @@ public:
                 std::function<void(int64_t block, std::byte* packed)> read, std::string path);
   // The blocks' host copies (Engine::host_buffer: null for a block with none), in block order.
   void use_host_copies(std::vector<std::shared_ptr<Buffer>> hosts) { hosts_ = std::move(hosts); }
+  // Note [compressed frozen views] in the .cpp: block `block`'s host copy is now `host`, whose
+  // first `compressed_bytes` are its frozen bytes compressed (Engine::compress).
+  void use_compressed(int64_t block, std::shared_ptr<Buffer> host, std::size_t compressed_bytes);
+  // Whether the block's frozen bytes exist only compressed: its frozen views have no elements
+  // (until decode_host_copy).
+  bool compressed(int64_t block) const {
+    const auto b = static_cast<std::size_t>(block);
+    return !compressed_bytes_.empty() && compressed_bytes_[b] > 0 && !decoded_[b];
+  }
+  // Decodes a compressed block's frozen bytes into host memory of their own (once), which its
+  // frozen views show from then on: for the weights the offloader leaves behind at close.
+  // Throws Error where the compressed bytes are damaged.
+  void decode_host_copy(int64_t block, std::size_t frozen_bytes);
 
   // What the module's tensors must still fill of block `block`'s host copy once its source has
   // filled what it holds: everything; all but the frozen tensors, which were read from the file
@@ -76,7 +89,9 @@ public:
 
 private:
   std::string label_;
-  std::vector<std::shared_ptr<Buffer>> hosts_; // [block]
+  std::vector<std::shared_ptr<Buffer>> hosts_;   // [block]
+  std::vector<std::size_t> compressed_bytes_;    // [block]: 0 (empty: every block) for raw ones
+  std::vector<std::shared_ptr<Buffer>> decoded_; // [block]: decode_host_copy's
   FileMap file_map_;
   std::vector<bool> in_file_; // empty: no block
   std::function<void(int64_t, std::byte*)> read_;

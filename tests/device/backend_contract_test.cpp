@@ -25,6 +25,8 @@
 #include <thread>
 #include <vector>
 
+#include "../core/codec_weights.hpp"
+#include "blockswap/core/codec.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/file_source.hpp"
 #include "blockswap/core/layout.hpp"
@@ -611,6 +613,49 @@ TEST_P(BackendContract, TheComputeStreamWaitsForTheCopiesItIsToldTo) {
 }
 
 // synchronize blocks the host until the event has completed, and no longer.
+// Backend::decode: a compressed block on the device decodes into device memory bit for bit, in
+// the copy stream's order; a damaged one is an Error where the host next waits for the copy
+// stream, and the stream goes on. (CUDA: a build without nvcc cannot decode, and says so.)
+TEST_P(BackendContract, DecodeWritesTheRawBytesAndDamageFailsAtTheNextWait) {
+  constexpr std::size_t kValues = 20'000;
+  const std::vector<std::byte> raw =
+      codec_testing::weights(codec::DType::bf16, kValues, 3); // 40 000 bytes
+  const std::vector<codec::Range> ranges = {{0, raw.size(), codec::DType::bf16}};
+  const std::vector<std::byte> packed = codec::encode(raw, ranges);
+  ASSERT_LT(packed.size(), raw.size());
+  const codec::Parsed parsed = codec::parse(packed);
+  if (!backend().can_decode()) {
+    EXPECT_THROW(backend().decode(nullptr, nullptr, packed.size(), parsed, 0), Error);
+    return;
+  }
+  Buffer host = backend().allocate_host(packed.size()), back = backend().allocate_host(raw.size());
+  Buffer in = backend().allocate_device(packed.size()), out = backend().allocate_device(raw.size());
+  if (!subject().holds_data) { // decodes in modelled time, touching nothing
+    backend().copy_to_device(in.data(), host.data(), packed.size(), 0);
+    backend().decode(out.data(), in.data(), packed.size(), parsed, 0);
+    drain();
+    return;
+  }
+  std::memcpy(host.data(), packed.data(), packed.size());
+  backend().copy_to_device(in.data(), host.data(), packed.size(), 0);
+  backend().decode(out.data(), in.data(), packed.size(), parsed, 0);
+  backend().copy_to_host(back.data(), out.data(), raw.size(), 1);
+  drain();
+  EXPECT_TRUE(same(back.data(), raw));
+
+  host.data()[packed.size() - 5] ^= std::byte{0x04}; // a rest byte: only the checksum sees it
+  backend().copy_to_device(in.data(), host.data(), packed.size(), 2);
+  backend().decode(out.data(), in.data(), packed.size(), parsed, 2);
+  EXPECT_THROW(drain(), Error);
+  // The stream goes on: the block as it was decodes again.
+  host.data()[packed.size() - 5] ^= std::byte{0x04};
+  backend().copy_to_device(in.data(), host.data(), packed.size(), 3);
+  backend().decode(out.data(), in.data(), packed.size(), parsed, 3);
+  backend().copy_to_host(back.data(), out.data(), raw.size(), 4);
+  drain();
+  EXPECT_TRUE(same(back.data(), raw));
+}
+
 TEST_P(BackendContract, SynchronizeBlocksTheHostUntilTheEvent) {
   const std::unique_ptr<Event> event = backend().make_event();
   if (subject().runs_now(Stream::copy)) {

@@ -356,6 +356,35 @@ TEST(Plan, BudgetTooSmallNamesTheSmallestThatWorks) {
 
 // The prediction: on the FLUX- and Wan-shaped files, in both modes, the simulator's step time
 // against no swapping. A fast link hides every load; a slow one does not.
+// Compressed weights (Options::compress): the ratio modelled from the checkpoint's dtypes (bf16:
+// 1.40), and whether it pays: where the link bounds the step it pays, where the compute does it
+// changes nothing, and a decoder slower than the link costs.
+TEST(Plan, SaysWhetherCompressionPays) {
+  const fs::path flux = scratch() / "flux-compress.safetensors";
+  write_sparse_model(flux, flux_tensors(), "BF16", 2);
+  auto plan = [&](const std::string& options) {
+    const Result r = run_tool("plan " + flux.string() + " --budget 12GiB " + options + " --json");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return json::parse(r.out)["compression"];
+  };
+  for (const std::string mode : {"train", "infer"}) {
+    const json link_bound = plan("--mode " + mode + " --tflops 400 --tokens 4096 --link-gbps 4");
+    EXPECT_NEAR(link_bound["ratio"].get<double>(), 1.40, 0.01);
+    EXPECT_EQ(link_bound["ratio_from"], "dtypes");
+    EXPECT_EQ(link_bound["verdict"], "pays") << mode;
+    const json compute_bound = plan("--mode " + mode + " --block-ms 40 --link-gbps 50");
+    EXPECT_EQ(compute_bound["verdict"], "changes nothing") << mode;
+    const json slow_decoder =
+        plan("--mode " + mode + " --tflops 400 --tokens 4096 --link-gbps 25 --decode-gbps 2");
+    EXPECT_EQ(slow_decoder["verdict"], "costs") << mode;
+  }
+  EXPECT_EQ(plan("--mode infer --compress-ratio 2")["ratio"].get<double>(), 2.0);
+  const Result table = run_tool("plan " + flux.string() + " --budget 12GiB --link-gbps 4");
+  EXPECT_NE(table.out.find("compressed weights"), std::string::npos) << table.out;
+  const Result bad = run_tool("plan " + flux.string() + " --budget 12GiB --compress-ratio 0.5");
+  EXPECT_NE(bad.exit_code, 0);
+}
+
 TEST(Plan, PredictsTheStepTimeAndTheRotatingSlots) {
   const fs::path flux = scratch() / "flux-predict.safetensors";
   const fs::path wan = scratch() / "wan-predict.safetensors";
@@ -773,6 +802,34 @@ TEST(Run, OffloadActivationsIsExactAndKeepsAboutTwoBlocksOnTheDevice) {
   EXPECT_NE(infer.exit_code, 0);
   EXPECT_NE(infer.err.find("--offload-activations applies to --mode train"), std::string::npos)
       << infer.err;
+}
+
+// --compress on with --dtype bfloat16: exact, the frozen weights compressed by about 1.5 (the
+// reference transformer's init), the host memory and link bytes saved reported; off reports 1.
+TEST(Run, CompressIsExactAndReportsTheRatioAndTheBytesSaved) {
+  for (const std::string mode : {"infer", "train"}) {
+    const Result r = run_tool("run --mode " + mode +
+                              " --device cpu --blocks 4 --swap 2 --hidden 64 --heads 2 --tokens 16 "
+                              "--steps 2 --dtype bfloat16 --compress on --json");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const json out = json::parse(r.out);
+    EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0) << mode;
+    EXPECT_EQ(out["dtype"], "bfloat16");
+    EXPECT_GT(out["swapped"]["compression_ratio"].get<double>(), 1.3) << mode;
+    EXPECT_EQ(out["swapped"]["compressed_blocks"], 4);
+    EXPECT_GT(out["swapped"]["host_bytes_saved"].get<uint64_t>(), 0u);
+    EXPECT_GT(out["swapped"]["link_bytes_saved"].get<uint64_t>(), 0u);
+  }
+  const Result off = run_tool("run --device cpu --blocks 4 --hidden 64 --heads 2 --tokens 16 "
+                              "--steps 1 --json");
+  ASSERT_EQ(off.exit_code, 0) << off.err;
+  EXPECT_EQ(json::parse(off.out)["swapped"]["compression_ratio"].get<double>(), 1.0);
+  const Result bad = run_tool("run --compress yes");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--compress"), std::string::npos) << bad.err;
+  const Result finetune = run_tool("run --mode finetune --dtype bfloat16 --blocks 2");
+  EXPECT_NE(finetune.exit_code, 0);
+  EXPECT_NE(finetune.err.find("--dtype bfloat16"), std::string::npos) << finetune.err;
 }
 
 TEST(Run, TableWithoutArguments) {

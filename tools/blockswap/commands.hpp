@@ -33,6 +33,10 @@ struct RunArgs {
   std::string save_weights; // write the model's initial weights here
   std::string trace;
   bool json = false;
+  // Options::compress: off | on | auto (the blocks' frozen weights compressed in host memory).
+  std::string compress = "off";
+  // The reference transformer's blocks in float32 or bfloat16 (its weights and the input).
+  std::string dtype = "float32";
   // The file tier: host memory for the swapped blocks' weights; the rest are read from --weights
   // for each load (empty: the model loaded whole, side by side with the baseline).
   std::string host_budget;
@@ -76,6 +80,10 @@ struct PlanArgs {
   int64_t stages = 0;
   std::string pipeline = "1f1b";
   int64_t micro_batches = 8;
+  // Compressed weights (Options::compress): the ratio (0: modelled from the checkpoint's dtypes,
+  // plan_compression.hpp) and the device's decode GB/s.
+  double compress_ratio = 0;
+  double decode_gbps = 200;
 };
 
 struct BenchArgs {

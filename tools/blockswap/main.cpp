@@ -115,6 +115,19 @@ int main(int argc, char** argv) {
                       "write a Chrome trace of compute and copies to FILE.json");
   run_cmd->add_flag("--json", run.json, "print one JSON object");
   run_cmd
+      ->add_option("--compress", run.compress,
+                   "off, on (the swapped blocks' frozen weights kept losslessly compressed in "
+                   "host memory and decoded on the device at each load: exact, fewer bytes) or "
+                   "auto (off for now)")
+      ->check(CLI::IsMember({"off", "on", "auto"}))
+      ->capture_default_str();
+  run_cmd
+      ->add_option("--dtype", run.dtype,
+                   "the blocks' weights and the input: float32 or bfloat16 (not with --weights, "
+                   "whose file says float32)")
+      ->check(CLI::IsMember({"float32", "bfloat16"}))
+      ->capture_default_str();
+  run_cmd
       ->add_option("--ranks", run.ranks,
                    "data-parallel LoRA training (--mode train) over R processes of this machine, "
                    "Gloo between them, one node-shared host copy of the swapped weights")
@@ -193,6 +206,17 @@ int main(int argc, char** argv) {
       ->check(integer_in<int64_t>(1, 1 << 20))
       ->needs(stages)
       ->capture_default_str();
+  plan_cmd
+      ->add_option("--compress-ratio", plan.compress_ratio,
+                   "prediction with compressed weights (Options::compress): raw bytes over "
+                   "compressed bytes (default: modelled from the checkpoint's dtypes, bf16 1.40)")
+      ->check(number_in(1, 100));
+  plan_cmd
+      ->add_option("--decode-gbps", plan.decode_gbps,
+                   "prediction with compressed weights: the device's decode GB/s (decoded bytes; "
+                   "an assumption: the CUDA decoder is not yet measured)")
+      ->check(number_in(kMinLinkGbps, 1e6))
+      ->capture_default_str();
   plan_cmd->add_option("--tokens", plan.tokens, "prediction: tokens per step")
       ->check(integer_in<int64_t>(1, int64_t{1} << 40))
       ->excludes(block_ms)
@@ -261,6 +285,12 @@ int main(int argc, char** argv) {
                     "--activation-threshold applies to --offload-activations only");
     BLOCKSWAP_CHECK(run_cmd->count("--pinnable-bytes") == 0 || !run.pinnable_bytes.empty(),
                     "--pinnable-bytes needs a size (0, 64MiB, ...)");
+    BLOCKSWAP_CHECK(run.ranks == 0 || (run.compress == "off" && run.dtype == "float32"),
+                    "--ranks runs with --compress off and --dtype float32 (the node-shared copy "
+                    "is not compressed yet)");
+    BLOCKSWAP_CHECK(run.dtype == "float32" || run.weights.empty(),
+                    "--dtype bfloat16 makes the model's own weights bfloat16; --weights files "
+                    "hold float32: leave one of them out");
     BLOCKSWAP_CHECK(run.nodes == 1 || run.ranks > 0,
                     "--nodes splits the ranks of --ranks into nodes: give --ranks too");
     if (run.ranks > 0) return ranks_command(run, argv);

@@ -14,6 +14,7 @@
 #include "blockswap/model_io/model_plan.hpp"
 #include "blockswap/model_io/safetensors.hpp"
 #include "commands.hpp"
+#include "plan_compression.hpp"
 
 namespace blockswap::tool {
 
@@ -30,15 +31,18 @@ struct Prediction {
   std::vector<int64_t> rotating_slots;       // per group (inference), 0 in training
   std::vector<double> block_forward_seconds; // per group: its largest block's forward
   double offloaded_activations_seconds = 0;  // --activation-bytes: the step with them offloaded
+  double compressed_seconds = 0;             // the step with compressed weights (ratio > 1)
 };
 
 // The plan's step on the schedule simulator: each group a block list on one device, a block's
 // forward from --block-ms or --tflops/--tokens, backward twice the forward; in inference the
 // rotating slots the simulator finds fastest.
 Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanArgs& args,
-                   std::optional<uint64_t> host_budget, uint64_t activation_bytes) {
+                   std::optional<uint64_t> host_budget, uint64_t activation_bytes,
+                   double compression_ratio) {
   LinkModel link{args.link_gbps * 1e9, 5e-6};
   link.disk_bytes_per_second = args.disk_gbps * 1e9;
+  link.decode_bytes_per_second = args.decode_gbps * 1e9;
   uint64_t largest = 1;
   for (const BlockGroup& g : layout.groups) largest = std::max(largest, g.largest_bytes());
   std::vector<BlockTiming> timings;
@@ -108,6 +112,20 @@ Prediction predict(const ModelPlan& plan, const ModelLayout& layout, const PlanA
   p.in_memory_seconds = step(ks, p.rotating_slots, false);
   p.step_seconds = host_budget ? step(ks, p.rotating_slots, true) : p.in_memory_seconds;
   p.noswap_seconds = step(none, none, false);
+  if (compression_ratio > 1) { // the blocks in host memory compressed; the file's stay raw
+    for (BlockTiming& t : timings) {
+      for (std::size_t bytes : t.bytes) {
+        t.compressed_bytes.push_back(static_cast<std::size_t>(double(bytes) / compression_ratio));
+      }
+    }
+    const Prediction tiers = p; // place_tiers records the tiers again: the first record stays
+    p.compressed_seconds = step(ks, p.rotating_slots, host_budget.has_value());
+    p.host_bytes = tiers.host_bytes;
+    p.pinned_blocks = tiers.pinned_blocks;
+    p.file_blocks = tiers.file_blocks;
+    p.disk_read_bytes = tiers.disk_read_bytes;
+    for (BlockTiming& t : timings) t.compressed_bytes.clear();
+  }
   if (activation_bytes > 0 && plan.mode == Mode::training) {
     for (BlockTiming& t : timings) t.activation_bytes.assign(t.bytes.size(), activation_bytes);
     p.offloaded_activations_seconds = step(ks, p.rotating_slots, host_budget.has_value());
@@ -133,14 +151,16 @@ int plan_command(const PlanArgs& args) {
       args.activation_bytes.empty() ? 0 : parse_size(args.activation_bytes);
   BLOCKSWAP_CHECK(activation_bytes == 0 || mode == Mode::training,
                   "--activation-bytes applies to --mode train: inference saves no activations");
-  Prediction prediction = predict(plan, layout, args, host_budget, activation_bytes);
+  const double ratio =
+      args.compress_ratio > 0 ? args.compress_ratio : modelled_compression_ratio(tensors);
+  Prediction prediction = predict(plan, layout, args, host_budget, activation_bytes, ratio);
   // One or two groups: of the plans that fit, the one the simulator finds fastest (the fewest
   // bytes moved is not always the fastest: a group left with one slot cannot overlap its loads).
   if (layout.groups.size() <= 2) {
     for (const std::vector<int64_t>& ks :
          budget_frontier(block_lists(layout), budget, mode, layout.non_block_bytes)) {
       ModelPlan candidate = plan_model(layout, budget, mode, ks);
-      Prediction p = predict(candidate, layout, args, host_budget, activation_bytes);
+      Prediction p = predict(candidate, layout, args, host_budget, activation_bytes, ratio);
       if (p.step_seconds < prediction.step_seconds * (1 - 1e-9) ||
           (p.step_seconds <= prediction.step_seconds * (1 + 1e-9) &&
            candidate.moved_bytes < plan.moved_bytes)) {
@@ -212,6 +232,14 @@ int plan_command(const PlanArgs& args) {
           {"offloaded_bytes_per_step", activation_bytes * static_cast<uint64_t>(all_blocks - 1)},
           {"predicted_offloaded_step_seconds", prediction.offloaded_activations_seconds}};
     }
+    out["compression"] = {{"ratio", ratio},
+                          {"ratio_from", args.compress_ratio > 0 ? "--compress-ratio" : "dtypes"},
+                          {"decode_gbps", args.decode_gbps},
+                          {"predicted_step_seconds",
+                           ratio > 1 ? prediction.compressed_seconds : prediction.step_seconds},
+                          {"verdict", ratio > 1 ? compression_verdict(prediction.step_seconds,
+                                                                      prediction.compressed_seconds)
+                                                : std::string("changes nothing")}};
     std::cout << out.dump(2) << '\n';
     return 0;
   }
@@ -269,6 +297,14 @@ int plan_command(const PlanArgs& args) {
                 format_bytes(activations_offloaded).c_str(),
                 format_bytes(activation_bytes * static_cast<uint64_t>(all_blocks - 1)).c_str(),
                 prediction.offloaded_activations_seconds, prediction.step_seconds);
+  }
+  if (ratio > 1) {
+    std::printf(
+        "\ncompressed weights (Options::compress; ratio %.2f %s, decode %g GB/s): %.4g s "
+        "against %.4g s: it %s\n",
+        ratio, args.compress_ratio > 0 ? "given" : "modelled from the checkpoint's dtypes",
+        args.decode_gbps, prediction.compressed_seconds, prediction.step_seconds,
+        compression_verdict(prediction.step_seconds, prediction.compressed_seconds).c_str());
   }
   if (mode == Mode::forward_only) {
     std::printf("rotating slots (Options::rotating_slots):");

@@ -159,12 +159,25 @@ int run_command(const RunArgs& args) {
     if (work == Work::finetune) make_trainable(model);
     return model;
   };
-  ReferenceTransformer baseline_model = make_model();
+  const bool bf16 = args.dtype == "bfloat16";
+  BLOCKSWAP_CHECK(!bf16 || work != Work::finetune,
+                  "--dtype bfloat16 runs --mode infer or train: the fused AdamW of finetune keeps "
+                  "float32 weights");
+  auto make_model_in_dtype = [&] {
+    ReferenceTransformer model = make_model();
+    if (bf16) {
+      for (auto& block : model.blocks()) block->to(torch::kBFloat16);
+    }
+    return model;
+  };
+  ReferenceTransformer baseline_model = make_model_in_dtype();
   config = baseline_model.config();
   const int64_t k = blocks_to_swap(args, config.blocks, mode);
-  ReferenceTransformer swapped_model = make_model();
+  ReferenceTransformer swapped_model = make_model_in_dtype();
   if (!args.save_weights.empty()) baseline_model.save(args.save_weights);
-  const torch::Tensor input = baseline_model.example_input(1, args.tokens).to(device);
+  const torch::Tensor input = baseline_model.example_input(1, args.tokens)
+                                  .to(bf16 ? torch::kBFloat16 : torch::kFloat)
+                                  .to(device);
   for (auto& block : baseline_model.blocks()) block->to(device); // the baseline holds it all
 
   Options options;
@@ -172,6 +185,7 @@ int run_command(const RunArgs& args) {
   options.supports_backward = train;
   if (work == Work::finetune) options.optimizer = finetune_adamw();
   options.step_on = step_on;
+  options.compress = parse_compress(args.compress);
   use_device(args, device, options);
   if (!args.trace.empty()) options.trace = std::make_shared<Trace>();
   if (args.offload_activations) {
@@ -187,6 +201,7 @@ int run_command(const RunArgs& args) {
                                                     work, args.steps, {}, args.offload_activations);
   const ActivationStats activations = offloader.activation_stats();
   const Stats stats = offloader.stats();
+  const CompressionStats compression = offloader.compression();
   const HostMemoryStats host = offloader.device()->host_memory();
   const double diff = max_abs_diff(baseline, swapped);
   if (options.trace) options.trace->write_chrome_json(args.trace);
@@ -223,6 +238,7 @@ int run_command(const RunArgs& args) {
         {"blocks", config.blocks},
         {"hidden", config.hidden},
         {"tokens", args.tokens},
+        {"dtype", args.dtype},
         {"steps", args.steps},
         {"blocks_to_swap", offloader.blocks_to_swap()},
         {"baseline",
@@ -236,8 +252,14 @@ int run_command(const RunArgs& args) {
           {"staged_bytes", stats.staged_bytes / steps},
           {"peak_pinned_host_bytes", host.peak_pinned_bytes},
           {"peak_kept_host_bytes", host.peak_kept_bytes},
+          {"kept_host_bytes", host.kept_bytes},
           {"pinned_per_kept", host.pinned_per_kept()},
-          {"predicted_step_seconds", predicted}}},
+          {"predicted_step_seconds", predicted},
+          {"compress", args.compress},
+          {"compression_ratio", compression.ratio()},
+          {"compressed_blocks", compression.blocks},
+          {"host_bytes_saved", compression.raw_bytes - compression.compressed_bytes},
+          {"link_bytes_saved", (stats.decoded_bytes - stats.compressed_bytes) / steps}}},
         {"max_abs_diff", diff},
     };
     if (args.offload_activations) {
@@ -283,6 +305,18 @@ int run_command(const RunArgs& args) {
     std::printf("host memory page-locked at its peak: %s for %s kept there (%.3f per byte)\n",
                 format_bytes(host.peak_pinned_bytes).c_str(),
                 format_bytes(host.peak_kept_bytes).c_str(), host.pinned_per_kept());
+    if (compression.blocks > 0) {
+      std::printf("compressed weights: %lld blocks' frozen weights in %s instead of %s (ratio "
+                  "%.3f; %s of host memory saved, %s fewer over the link per step)\n",
+                  static_cast<long long>(compression.blocks),
+                  format_bytes(compression.compressed_bytes).c_str(),
+                  format_bytes(compression.raw_bytes).c_str(), compression.ratio(),
+                  format_bytes(compression.raw_bytes - compression.compressed_bytes).c_str(),
+                  format_bytes((stats.decoded_bytes - stats.compressed_bytes) / steps).c_str());
+    } else if (args.compress != "off") {
+      std::printf("compressed weights: none (%s)\n",
+                  args.compress == "auto" ? "auto is off for now" : "no block shrank");
+    }
     std::printf("largest difference between the two results: %g%s\n", diff,
                 diff == 0 ? " (identical)" : "  <-- MISMATCH");
     if (options.trace) std::printf("trace written to %s\n", args.trace.c_str());

@@ -84,13 +84,16 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
   options.weights_from_file = true;
   options.host_budget_bytes = host_budget;
   options.file_reads = args.file_reads == "drop" ? CacheBypass::drop : CacheBypass::direct;
+  options.compress = parse_compress(args.compress); // the blocks in host memory; the file's raw
   Phase swapped;
   Stats stats;
+  CompressionStats compression;
   int64_t in_file = 0;
   {
     ModelOffloader offloader("blocks", model.modules(), options);
     swapped = run_alone(model, &offloader, input, work, args.steps);
     stats = offloader.stats();
+    compression = offloader.compression();
     for (int64_t b = 0; b < config.blocks; ++b) in_file += offloader.is_in_file(b) ? 1 : 0;
   }
   const uint64_t peak_rss = peak_rss_bytes();
@@ -120,7 +123,12 @@ int run_from_file(const RunArgs& args, c10::Device device, int64_t k) {
           {"peak_rss_bytes", peak_rss},
           {"peak_rss_of_swapped_run_alone", reset},
           {"stall_seconds", stats.stall_seconds / double(steps)},
-          {"staged_bytes", stats.staged_bytes / steps}}},
+          {"staged_bytes", stats.staged_bytes / steps},
+          {"compress", args.compress},
+          {"compression_ratio", compression.ratio()},
+          {"compressed_blocks", compression.blocks},
+          {"host_bytes_saved", compression.raw_bytes - compression.compressed_bytes},
+          {"link_bytes_saved", (stats.decoded_bytes - stats.compressed_bytes) / steps}}},
         {"max_abs_diff", diff},
     };
     std::cout << out.dump(2) << '\n';

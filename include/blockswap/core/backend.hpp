@@ -16,6 +16,8 @@
 #include <string>
 #include <utility>
 
+#include "blockswap/core/codec.hpp"
+
 namespace blockswap {
 
 class StagingReader; // core/staging_ring.hpp
@@ -122,6 +124,18 @@ public:
   // Calls `observer` after each copy completes, on whichever thread sees it complete. A backend
   // that cannot time its copies never calls it.
   virtual void set_copy_observer(CopyObserver observer) = 0;
+  // Enqueues on the copy stream the decode of the compressed block (core/codec.hpp) of `bytes`
+  // bytes at `compressed` (device memory, copied there before on the copy stream) into `out`
+  // (device memory of parsed.decoded_bytes); `parsed` is codec::parse of the same bytes on the
+  // host. Returns at once. A damaged block fails as a failed copy does: its Error is rethrown
+  // where the host next waits for the copy stream, and `out` holds garbage (Note [a decode
+  // step] in load_pipeline.cpp). Default: throws Error (the backend cannot decode).
+  virtual void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+                      const codec::Parsed& parsed, int64_t tag);
+  // Whether decode works here (the CUDA backend: where nvcc built the decoder).
+  virtual bool can_decode() const { return false; }
+  // Whether host and device memory hold bytes (the timed device's hold none: it models time).
+  virtual bool holds_data() const { return true; }
   // Enqueues filling released device memory with NaN on the copy stream, so that a read of a
   // released slot shows; returns at once. A backend may do nothing.
   virtual void poison(std::byte* device, std::size_t bytes) = 0;

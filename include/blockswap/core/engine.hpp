@@ -32,12 +32,19 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/codec.hpp"
 #include "blockswap/core/host_store.hpp"
 #include "blockswap/core/load_pipeline.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
 
 namespace blockswap {
+
+// Whether blocks' frozen bytes are stored compressed (EngineOptions::compress).
+enum class Compress { off, on, automatic };
+// "off", "on", "auto"; and back (Error naming the accepted values).
+const char* compress_name(Compress compress);
+Compress parse_compress(const std::string& name);
 
 struct EngineOptions {
   int64_t blocks_to_swap = 0;     // K
@@ -69,6 +76,32 @@ struct EngineOptions {
   // The LibTorch front end packs a model that is on the GPU into host memory first, so that
   // its device copy and the slots are never on the device together.
   bool slots_at_construction = true;
+  // Note [compressed host copies] in host_store.cpp. on: the frozen bytes of every block in
+  // pinned host memory of the engine's own are stored losslessly compressed (core/codec.hpp)
+  // from compress() (or the first prepare()) on, once the caller has filled them, and decoded on
+  // the device at each load; a block that does not shrink stays raw. The backend must decode
+  // (Backend::can_decode). automatic: off for now (the planner does not yet say when it pays).
+  Compress compress = Compress::off;
+  // With compress on: per block, where its frozen bytes hold floating-point values (offsets in
+  // its packed bytes, inside its frozen bytes); bytes outside every range are stored raw.
+  std::vector<std::vector<codec::Range>> frozen_ranges = {};
+  // With compress on, where the backend holds no bytes (the timed device, which models time):
+  // per block, its frozen bytes compressed, as codec::encode would give them (frozen_ranges are
+  // not needed there). A block whose size is not below its frozen bytes stays raw.
+  std::vector<std::size_t> modelled_compressed_bytes = {};
+};
+
+// What compression saved (Engine::compression): the frozen bytes of the blocks it stores
+// compressed, raw and as stored.
+struct CompressionStats {
+  int64_t blocks = 0;                  // blocks stored compressed
+  uint64_t raw_bytes = 0;              // their frozen bytes
+  uint64_t compressed_bytes = 0;       // the same, compressed
+  std::size_t decode_buffer_bytes = 0; // device memory the decode step holds
+  // raw / compressed over the compressed blocks (1 with none).
+  double ratio() const {
+    return compressed_bytes == 0 ? 1.0 : double(raw_bytes) / double(compressed_bytes);
+  }
 };
 
 struct Stats {
@@ -79,6 +112,10 @@ struct Stats {
   // Bytes of the loads staged from pageable host memory (Note [pageable host memory] in
   // load_pipeline.cpp).
   uint64_t staged_bytes = 0;
+  // Of h2d_bytes: frozen bytes that crossed the link compressed and were decoded on the device,
+  // and what crossed the link for them (EngineOptions::compress).
+  uint64_t decoded_bytes = 0;
+  uint64_t compressed_bytes = 0;
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.
   double stall_seconds = 0;
@@ -150,6 +187,20 @@ public:
   std::size_t slot_bytes() const; // core/layout.hpp
   // Whether block i is read from the model's file for each load (EngineOptions::file).
   bool in_file(int64_t block) const;
+
+  // Stores the host copies' frozen bytes compressed (EngineOptions::compress on), once: call it
+  // after filling host_data, before anything reads them; prepare() calls it if nobody has.
+  // Afterwards a compressed block's host_data holds its compressed frozen bytes (no raw copy of
+  // them exists on the host) and its trainable bytes are at host_trainable(i). Throws Error when
+  // the backend cannot decode; does nothing with compression off.
+  void compress();
+  // Whether block i's frozen bytes are stored compressed (compress()), and the bytes they take
+  // at the start of its host copy (compressed or not).
+  bool compressed(int64_t block) const;
+  std::size_t host_frozen_bytes(int64_t block) const;
+  CompressionStats compression() const;
+  // Host bytes the engine's copies of the blocks hold now (their buffers and spares).
+  std::size_t host_bytes() const;
 
   // Places blocks as the current schedule starts (all of them when swapping is disabled).
   // When it moves blocks it waits until they are loaded, like the seed's; in the steady state

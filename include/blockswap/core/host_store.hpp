@@ -18,10 +18,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/codec.hpp"
 
 namespace blockswap {
 
@@ -69,7 +71,31 @@ public:
   // (Note [pageable host memory] in load_pipeline.cpp). Not for caller memory or the file.
   void reallocate(int64_t block, const std::function<void()>& meanwhile);
 
-  // Block i's host buffer: its packed bytes as first filled. Its frozen bytes stay the
+  // Note [compressed host copies] in host_store.cpp. Stores block i's frozen bytes losslessly
+  // compressed (core/codec.hpp; `ranges`: where its frozen bytes hold floating-point values)
+  // when that makes them smaller: a new host buffer holds the compressed bytes, then its
+  // trainable bytes (at trainable_at), and the raw one is freed. Returns whether it did; a block
+  // that does not shrink, or whose new buffer the system would not pin, stays as it is. Only
+  // for a pinned block of the store's own memory, once, after it was filled and before its
+  // first write-back.
+  bool compress(int64_t block, std::span<const codec::Range> ranges);
+  // The same where the backend holds no bytes (Backend::holds_data: the timed device): block i's
+  // frozen bytes take `compressed_bytes` (a model of what codec::encode gives), and parsed()
+  // states only their decoded size. Returns whether it did (they are fewer than the raw ones).
+  bool model_compressed(int64_t block, std::size_t compressed_bytes);
+  bool compressed(int64_t block) const { return blocks_[block].parsed != nullptr; }
+  // The structure of block i's compressed frozen bytes (only when compressed()).
+  const codec::Parsed& parsed(int64_t block) const { return *blocks_[block].parsed; }
+  // Bytes of block i's frozen bytes as stored: compressed, or raw.
+  std::size_t stored_frozen_bytes(int64_t block) const {
+    const Block& b = blocks_[block];
+    return b.parsed ? b.compressed : b.bytes - b.trainable;
+  }
+  // Host bytes block i's buffers hold now (its packed buffer and its spare; 0 in the file).
+  std::size_t host_bytes(int64_t block) const;
+
+  // Block i's host buffer: its packed bytes as first filled (compressed: the compressed frozen
+  // bytes, then the trainable bytes at trainable_at). Its frozen bytes stay the
   // authoritative ones; its trainable bytes are authoritative until the first write-back.
   const std::shared_ptr<Buffer>& buffer(int64_t block) const { return blocks_[block].host; }
   // Where block i's authoritative trainable bytes are now.
@@ -79,19 +105,23 @@ public:
   // trainable bytes from where they are freshest (a pending write-back's target: the copy
   // stream runs in order, so that write-back is done before the load). One range when the
   // block's bytes are contiguous.
+  // A compressed block's frozen bytes are `compressed_bytes` compressed ones, to decode.
   struct Source {
     const std::byte* frozen = nullptr;
     const std::byte* trainable = nullptr;
-    bool contiguous() const { return trainable_bytes == 0 || frozen + frozen_bytes == trainable; }
+    bool contiguous() const {
+      return compressed_bytes == 0 && (trainable_bytes == 0 || frozen + frozen_bytes == trainable);
+    }
     std::size_t frozen_bytes = 0, trainable_bytes = 0;
+    std::size_t compressed_bytes = 0; // > 0: compressed (core/codec.hpp)
   };
   Source load_source(int64_t block) const { // inline: every load asks (engine_bench)
     const Block& b = blocks_[block];
     const Region freshest = b.pending ? other(b.current) : b.current;
     const std::byte* trainable = freshest == Region::packed
-                                     ? b.host->data() + (b.bytes - b.trainable)
+                                     ? b.host->data() + b.trainable_at
                                      : b.spare->data(); // no HostRegion: no reference count
-    return Source{b.host->data(), trainable, b.bytes - b.trainable, b.trainable};
+    return Source{b.host->data(), trainable, b.bytes - b.trainable, b.trainable, b.compressed};
   }
 
   // Note [atomic write-back]. begin_write_back: the region block i's changed trainable bytes go
@@ -119,6 +149,9 @@ private:
     bool in_file = false;
     std::size_t bytes = 0;
     std::size_t trainable = 0;
+    std::size_t trainable_at = 0; // in `host`: bytes - trainable, unless compressed
+    std::size_t compressed = 0;   // compressed frozen bytes at the start of `host` (0: raw)
+    std::shared_ptr<const codec::Parsed> parsed; // their structure, when compressed
     std::shared_ptr<Buffer> spare;
     Region current = Region::packed; // the authoritative one
     bool pending = false;            // a write-back into the other one awaits its commit
@@ -126,7 +159,7 @@ private:
   };
   static Region other(Region r) { return r == Region::packed ? Region::spare : Region::packed; }
   HostRegion region(const Block& block, Region which) const {
-    return which == Region::packed ? HostRegion{block.host, block.bytes - block.trainable}
+    return which == Region::packed ? HostRegion{block.host, block.trainable_at}
                                    : HostRegion{block.spare, 0};
   }
 

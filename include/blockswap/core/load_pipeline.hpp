@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "blockswap/core/backend.hpp"
+#include "blockswap/core/codec.hpp"
 #include "blockswap/core/file_source.hpp"
 #include "blockswap/core/host_store.hpp"
 #include "blockswap/core/schedule.hpp"
@@ -88,6 +89,10 @@ public:
       return;
     }
     const HostStore::Source source = store_.load_source(block);
+    if (source.compressed_bytes > 0) {
+      copy_compressed(block, slot, source);
+      return;
+    }
     if (source.contiguous()) {
       backend_->copy_to_device(slot, source.frozen, store_.bytes(block), block);
       return;
@@ -98,6 +103,18 @@ public:
     backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
                              block);
   }
+  // Note [compressed host copies] (host_store.cpp): stores the frozen bytes of every block that
+  // may be (pinned host memory of the store's own) compressed with `ranges[i]` (where its frozen
+  // bytes hold floating-point values), once the caller has filled them, and allocates the
+  // device buffer their loads decode from (Note [a decode step]). Once; throws Error when the
+  // backend cannot decode, or `ranges` has not one entry per block. Where the backend holds no
+  // bytes (the timed device), `modelled[i]` are block i's compressed frozen bytes instead
+  // (HostStore::model_compressed; Error when empty).
+  void compress(const std::vector<std::vector<codec::Range>>& ranges,
+                const std::vector<std::size_t>& modelled = {});
+  // Device memory the decode step holds (0 without compressed blocks).
+  std::size_t decode_buffer_bytes() const { return decode_buffer_.size(); }
+
   // Block i is about to be computed: blocks the host until its read from the file (if any)
   // is done, and throws that read's error (after file_failed).
   void finish(int64_t block) {
@@ -110,8 +127,10 @@ public:
   void hold_around(int64_t evicted, const std::function<void()>& eviction);
 
   // Bytes copied into slots from the file, and from pageable memory through the ring.
+  // Frozen bytes of the loads that crossed the link compressed: as decoded, and as copied.
   struct Counters {
     uint64_t disk_bytes = 0, staged_bytes = 0;
+    uint64_t decoded_bytes = 0, compressed_bytes = 0;
   };
   const Counters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
@@ -122,6 +141,7 @@ private:
   // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
   StagingReader::Staged take(int64_t block, bool wait);
   void copy_staged(int64_t block, std::byte* slot);
+  void copy_compressed(int64_t block, std::byte* slot, const HostStore::Source& source);
   void finish_read(int64_t block);
 
   std::shared_ptr<Backend> backend_;
@@ -138,6 +158,7 @@ private:
   std::size_t cursor_ = 0;                   // the next of them to request
   std::deque<int64_t> ahead_;                // requested from the reader, not yet taken
   std::unique_ptr<StagingReader> reader_;
+  Buffer decode_buffer_; // device memory: the compressed bytes of the load being decoded
 };
 
 } // namespace blockswap

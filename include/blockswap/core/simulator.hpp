@@ -38,8 +38,13 @@ struct LinkModel {
   // their own beside the host->device one, as PCIe's two copy engines; false: one channel for
   // both ways. They come back on the host->device channel, in series with the weights' loads.
   bool duplex = true;
+  // Compressed weights (BlockTiming::compressed_bytes): the device decodes a load's bytes at
+  // this rate (decoded bytes per second), on the copy stream after its copy (Note [a decode
+  // step] in load_pipeline.cpp); 0: decoding takes no time.
+  double decode_bytes_per_second = 0;
   double seconds(std::size_t bytes) const;
   double disk_seconds(std::size_t bytes) const;
+  double decode_seconds(std::size_t decoded_bytes) const;
 };
 
 // What each block of one list costs.
@@ -53,6 +58,11 @@ struct BlockTiming {
   // (the block computed last keeps its own) and come back when the backward of the block
   // computed after it in the forward starts; a block's backward waits for its own.
   std::vector<std::size_t> activation_bytes;
+  // Compressed weights (EngineOptions::compress; empty: none): per block, the bytes a load from
+  // host memory moves over the link, its frozen bytes compressed; its `bytes` are then decoded
+  // on the device (LinkModel::decode_bytes_per_second). A load from the file moves `bytes`
+  // (the file tier stays raw).
+  std::vector<std::size_t> compressed_bytes = {};
 };
 
 // N blocks alike: `forward_seconds` each, `bytes` each.
@@ -92,7 +102,7 @@ struct Simulation {
   double step_seconds = 0;
   double compute_seconds = 0;   // the compute stream busy, per step
   double stall_seconds = 0;     // the compute stream idle before a block, per step
-  double link_busy_seconds = 0; // the copy stream busy (loads and write-backs), per step
+  double link_busy_seconds = 0; // the copy stream busy (loads, decodes, write-backs), per step
   double disk_busy_seconds = 0; // the disk busy reading file-tier blocks, per step
   double d2h_busy_seconds = 0;  // the device->host channel busy with activations, per step
   std::vector<ListSimulation> lists;

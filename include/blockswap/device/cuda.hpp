@@ -53,6 +53,10 @@ public:
   // Times each copy with events around it on the copy stream; the observer is called for the
   // copies found complete at later calls into this backend (and at destruction).
   void set_copy_observer(CopyObserver observer) override;
+  // the codec's CUDA decoder (codec_decode.hpp) on the copy stream
+  void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+              const codec::Parsed& parsed, int64_t tag) override;
+  bool can_decode() const override;
   void poison(std::byte* device, std::size_t bytes) override;
   // Events for ordering only, made with cudaEventDisableTiming; make_timed_event's can be timed.
   std::unique_ptr<Event> make_event() override;

@@ -43,6 +43,10 @@ public:
   void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                     int64_t tag) override;
   void set_copy_observer(CopyObserver observer) override;
+  // codec::decode on the copy thread
+  void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+              const codec::Parsed& parsed, int64_t tag) override;
+  bool can_decode() const override;
   void poison(std::byte* device, std::size_t bytes) override;
   std::unique_ptr<Event> make_event() override;
   void record(Event& event, Stream stream) override;

@@ -71,6 +71,11 @@ public:
   void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                     int64_t tag) override;
   void set_copy_observer(CopyObserver observer) override;
+  // the copy stream busy for LinkModel::decode_seconds of the decoded bytes
+  void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+              const codec::Parsed& parsed, int64_t tag) override;
+  bool can_decode() const override;
+  bool holds_data() const override { return false; }
   void poison(std::byte* device, std::size_t bytes) override; // nothing to poison
   std::unique_ptr<Event> make_event() override;
   std::unique_ptr<Event> make_timed_event() override;
@@ -96,6 +101,8 @@ public:
   std::vector<ComputeRecord> take_compute_log();
   // Device seconds the copy stream has spent copying.
   double link_busy_seconds() const;
+  // Device seconds the copy stream has spent decoding compressed weights (Backend::decode).
+  double decode_busy_seconds() const;
 
   // Offloaded activations (Note [offloaded activations] in core/activation_rule.hpp):
   // `bytes` copied device->host once the compute stream has run what is enqueued, on a

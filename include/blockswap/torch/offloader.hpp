@@ -125,6 +125,9 @@ public:
   void synchronize();
   int64_t blocks_to_swap() const; // K, as given or as the planner chose it
   Stats stats() const;
+  // With Options::compress: the blocks stored compressed, their frozen bytes raw and compressed
+  // (the host memory saved is the difference), the ratio, the decode buffer's device bytes.
+  CompressionStats compression() const;
   // With Options::offload_activations: the device's saved activations (activation_stats).
   ActivationStats activation_stats() const;
   void reset_stats(); // activation_stats() too, with offload_activations

@@ -15,6 +15,7 @@
 #include <variant>
 #include <vector>
 
+#include "blockswap/core/engine.hpp"
 #include "blockswap/core/file_source.hpp"
 #include "blockswap/core/schedule.hpp"
 #include "blockswap/core/trace.hpp"
@@ -143,6 +144,14 @@ struct Options {
   // not ready, so computing with a block that is not on the device fails at once instead of
   // reading its host copy. Reading such tensors gives empty data: not for saving checkpoints.
   bool strict_residency = false;
+  // Compressed weights (docs/guide.md, "Compressed weights"): on keeps the blocks' frozen
+  // weights in host memory losslessly compressed (bfloat16, float16, float32, float8 tensors; a
+  // block that does not shrink stays raw) and decodes them on the device at each load: exact,
+  // less host memory, fewer bytes over the link. Off the device their frozen tensors have no
+  // elements, as with strict_residency (close() gives them their values back). automatic: off
+  // for now (the planner does not yet say when it pays). Blocks in the file tier stay raw; not
+  // with node_sharing nor the seed's replay.
+  Compress compress = Compress::off;
   // A device shared with other offloaders (a model's other block lists): one copy stream, one
   // memory account, one budget (open_device below). When set, the device is this one: leave
   // `device`, `device_budget_bytes` and the emulated_* fields at their defaults; with

@@ -81,6 +81,15 @@ __global__ void check_hashes(const uint64_t* hashes, uint64_t pages, uint64_t ex
   }
 }
 
+__global__ void poison_if_damaged(const uint32_t* damage, uint8_t* out, uint64_t bytes) {
+  if (*damage == 0) return;
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < bytes;
+       i += stride) {
+    out[i] = 0xFF;
+  }
+}
+
 unsigned grid_for(uint64_t items) {
   const uint64_t blocks = (items + kThreads - 1) / kThreads;
   BLOCKSWAP_CHECK(blocks <= 0x7FFFFFFFu, "cuda codec: ", items, " chunks or pages are too many");
@@ -135,6 +144,16 @@ void decode_async(const codec::Parsed& parsed, const std::byte* block, std::byte
     BLOCKSWAP_CUDA_CHECK(cudaGetLastError());
   }
   check_hashes<<<1, 1, 0, stream>>>(hashes, pages, parsed.checksum, damage);
+  BLOCKSWAP_CUDA_CHECK(cudaGetLastError());
+}
+
+void poison_if_damaged_async(const void* workspace, std::byte* out, uint64_t bytes,
+                             cudaStream_t stream) {
+  if (bytes == 0) return;
+  const uint64_t blocks = (bytes + kThreads - 1) / kThreads;
+  const unsigned grid = static_cast<unsigned>(blocks < 1024 ? blocks : 1024);
+  poison_if_damaged<<<grid, kThreads, 0, stream>>>(static_cast<const uint32_t*>(workspace),
+                                                   reinterpret_cast<uint8_t*>(out), bytes);
   BLOCKSWAP_CUDA_CHECK(cudaGetLastError());
 }
 

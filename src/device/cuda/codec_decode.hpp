@@ -34,6 +34,12 @@ size_t workspace_bytes(const codec::Parsed& parsed);
 void decode_async(const codec::Parsed& parsed, const std::byte* block, std::byte* out,
                   void* workspace, cudaStream_t stream);
 
+// Enqueues on `stream`: where the damage word decode_async left in `workspace` is not 0, `bytes`
+// of `out` filled with 0xFF (NaN in every float dtype), so that a computation that reads a
+// damaged block before the host hears of it reads NaN, never a wrong weight. Returns at once.
+void poison_if_damaged_async(const void* workspace, std::byte* out, uint64_t bytes,
+                             cudaStream_t stream);
+
 // Throws Error naming each kind of damage the word holds; nothing for 0.
 void check_damage(uint32_t damage);
 

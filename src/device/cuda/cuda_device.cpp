@@ -3,14 +3,23 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "cuda_copy_timer.hpp"
 #include "cuda_handles.hpp"
+#if BLOCKSWAP_HAS_CODEC_CUDA
+#include "codec_decode.hpp"
+#endif
+
+#ifndef BLOCKSWAP_HAS_CODEC_CUDA
+#define BLOCKSWAP_HAS_CODEC_CUDA 0
+#endif
 
 namespace blockswap {
 namespace {
@@ -69,6 +78,19 @@ struct CudaDevice::State {
   std::size_t peak_device_bytes = 0;
   bool pinned = true;
   std::optional<cuda::CopyTimer> copies; // Note [timed copies] in cuda_copy_timer.hpp
+  // Note [decoding on the copy stream]: the decoder's workspace (device), the damage word of
+  // the last decode (page-locked host memory) and the first damage its check found.
+  Buffer decode_workspace;
+  uint32_t* damage_word = nullptr;
+  std::exception_ptr decode_error; // under `mutex`
+  void rethrow_decode_error() {
+    std::exception_ptr error;
+    {
+      std::lock_guard lock(mutex);
+      error = std::exchange(decode_error, nullptr);
+    }
+    if (error) std::rethrow_exception(error);
+  }
 
   cudaStream_t compute() const {
     return options.compute_stream ? options.compute_stream() : nullptr;
@@ -98,6 +120,8 @@ CudaDevice::~CudaDevice() {
     DeviceScope scope(state_->options.device);
     state_->copy.reset();
     state_->copies->report();
+    state_->decode_workspace.reset();
+    if (state_->damage_word != nullptr) BLOCKSWAP_CUDA_LOG(cudaFreeHost(state_->damage_word));
   } catch (const std::exception& e) {
     warn("", detail::concat("cuda device shutdown: ", e.what()));
   }
@@ -315,6 +339,61 @@ void CudaDevice::synchronize(const Event& event) {
   DeviceScope scope(state_->options.device);
   BLOCKSWAP_CUDA_CHECK(cudaEventSynchronize(e.handle.get()));
   state_->copies->report();
+  state_->rethrow_decode_error();
+}
+
+// Note [decoding on the copy stream]
+// A compressed block (core/codec.hpp) is decoded where it lands: the codec's kernels
+// (codec_decode.cu) run on the copy stream after the copy of its compressed bytes, so the
+// block's load event, recorded after them, orders compute after the decode as after a copy.
+// The kernels leave a damage word in the workspace; the copy stream then fills a damaged
+// block's slot with NaN (a computation that reads it before the host hears of it reads NaN,
+// never a wrong weight), copies the word to page-locked host memory and, in a host function,
+// turns a word that is not 0 into the Error that the host's next synchronize() throws. The GPU's
+// compute stream does not make the host wait, so on CUDA that Error comes at the next host
+// synchronisation (the engine's synchronize or prepare, the host step), not at the block's
+// wait as on the emulated device. One workspace and one word: the copy stream runs in order.
+void CudaDevice::decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+                        const codec::Parsed& parsed, int64_t tag) {
+#if BLOCKSWAP_HAS_CODEC_CUDA
+  (void)bytes;
+  DeviceScope scope(state_->options.device);
+  const std::size_t workspace = cuda_codec::workspace_bytes(parsed);
+  if (state_->decode_workspace.size() < workspace) {
+    // The old one may be in use by a decode in flight: freed after the copy stream is done.
+    BLOCKSWAP_CUDA_CHECK(cudaStreamSynchronize(state_->copy.get()));
+    state_->decode_workspace = allocate_device(workspace);
+  }
+  if (state_->damage_word == nullptr) {
+    void* word = nullptr;
+    BLOCKSWAP_CUDA_CHECK(cudaMallocHost(&word, sizeof(uint32_t)));
+    state_->damage_word = static_cast<uint32_t*>(word);
+  }
+  void* ws = state_->decode_workspace.data();
+  cuda_codec::decode_async(parsed, compressed, out, ws, state_->copy.get());
+  cuda_codec::poison_if_damaged_async(ws, out, parsed.decoded_bytes, state_->copy.get());
+  BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(state_->damage_word, ws, sizeof(uint32_t),
+                                       cudaMemcpyDeviceToHost, state_->copy.get()));
+  wait_host(Stream::copy, [state = state_, tag] {
+    const uint32_t damage = *state->damage_word;
+    if (damage == 0) return;
+    try {
+      cuda_codec::check_damage(damage);
+    } catch (const std::exception& e) {
+      std::lock_guard lock(state->mutex);
+      if (!state->decode_error) {
+        state->decode_error = std::make_exception_ptr(
+            Error(detail::concat(e.what(), " (the load tagged ", tag, ")")));
+      }
+    }
+  });
+#else
+  Backend::decode(out, compressed, bytes, parsed, tag);
+#endif
+}
+
+bool CudaDevice::can_decode() const {
+  return BLOCKSWAP_HAS_CODEC_CUDA != 0;
 }
 
 std::optional<double> CudaDevice::elapsed_seconds(const Event& start, const Event& end) const {

@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include "blockswap/core/codec.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
@@ -37,7 +38,7 @@ public:
 };
 
 struct Task {
-  enum class Kind { copy, poison, wait, record, host };
+  enum class Kind { copy, poison, wait, record, host, decode };
   Kind kind = Kind::copy;
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;
@@ -49,6 +50,7 @@ struct Task {
   bool throws = false;
   std::size_t fail_after = 0;            // with `fail`: the bytes copied before the failure
   std::function<void()> until = nullptr; // host: Backend::wait_host's
+  std::size_t decoded = 0;               // decode: the bytes it writes at `dst`
 };
 
 void poison_bytes(std::byte* data, std::size_t bytes) {
@@ -131,6 +133,12 @@ struct EmulatedDevice::State {
     case Task::Kind::host:
       lock.unlock();
       task.until();
+      lock.lock();
+      break;
+    case Task::Kind::decode:
+      lock.unlock(); // a damaged block throws: run() makes it the next waiter's error
+      codec::decode(std::span<const std::byte>(task.src, task.bytes),
+                    std::span<std::byte>(task.dst, task.decoded));
       lock.lock();
       break;
     case Task::Kind::poison:
@@ -304,6 +312,22 @@ void EmulatedDevice::wait_if_pageable(const std::byte* host) {
   std::unique_lock lock(state_->mutex);
   state_->changed.wait(lock, [&] { return mark->done; });
   if (mark->error) std::rethrow_exception(mark->error);
+}
+
+void EmulatedDevice::decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
+                            const codec::Parsed& parsed, int64_t tag) {
+  Task task;
+  task.kind = Task::Kind::decode;
+  task.dst = out;
+  task.src = compressed;
+  task.bytes = bytes;
+  task.tag = tag;
+  task.decoded = parsed.decoded_bytes;
+  state_->enqueue(std::move(task));
+}
+
+bool EmulatedDevice::can_decode() const {
+  return true;
 }
 
 void EmulatedDevice::set_copy_observer(CopyObserver observer) {

@@ -44,6 +44,7 @@ struct Task {
   bool copy = false; // busy: a copy (else a computation)
   bool to_device = true;
   bool activations = false; // a copy of offloaded activations: not the engine's, not observed
+  bool decode = false;      // a copy-stream task that is no copy (Backend::decode): not the link
   std::size_t bytes = 0;
   std::shared_ptr<Mark> mark; // wait, record
 };
@@ -195,6 +196,10 @@ struct TimedDevice::State {
         last_compute_end = stream.free;
         break;
       }
+      if (task.decode) {
+        decode_busy += task.seconds;
+        break;
+      }
       (&stream == &streams[kActivationsOut] ? activations_out_busy : link_busy) += task.seconds;
       if (observer && !task.activations) {
         const CopyObserver notify = observer;
@@ -223,6 +228,7 @@ struct TimedDevice::State {
 
   double last_compute_end = 0;
   double activations_out_busy = 0;
+  double decode_busy = 0; // the copy stream's decodes (Backend::decode)
   double disk_busy = 0;
   double disk_free = 0; // one disk for every engine's reader
 };
@@ -369,6 +375,11 @@ TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<S
                   "timed device: the link needs bytes_per_second > 0 and latency_seconds >= 0, "
                   "got ",
                   options.link.bytes_per_second, " and ", options.link.latency_seconds);
+  BLOCKSWAP_CHECK(std::isfinite(options.link.decode_bytes_per_second) &&
+                      options.link.decode_bytes_per_second >= 0,
+                  "timed device: decode_bytes_per_second must be >= 0 (0: decoding takes no "
+                  "time), got ",
+                  options.link.decode_bytes_per_second);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
   for (int s = 0; s < 3; ++s) {
@@ -416,6 +427,23 @@ void TimedDevice::copy_to_device(std::byte*, const std::byte*, std::size_t bytes
 
 void TimedDevice::copy_to_host(std::byte*, const std::byte*, std::size_t bytes, int64_t tag) {
   state_->enqueue_copy(bytes, tag, false);
+}
+
+void TimedDevice::decode(std::byte*, const std::byte*, std::size_t, const codec::Parsed& parsed,
+                         int64_t tag) {
+  const double seconds = state_->options.link.decode_seconds(parsed.decoded_bytes);
+  if (seconds <= 0) return;
+  Task task;
+  task.kind = Task::Kind::busy;
+  task.seconds = seconds;
+  task.tag = tag;
+  task.copy = true;
+  task.decode = true;
+  state_->enqueue(Stream::copy, std::move(task));
+}
+
+bool TimedDevice::can_decode() const {
+  return true;
 }
 
 void TimedDevice::compute(double seconds, int64_t tag) {
@@ -573,6 +601,11 @@ double TimedDevice::disk_busy_seconds() const {
 double TimedDevice::link_busy_seconds() const {
   std::lock_guard lock(state_->mutex);
   return state_->link_busy;
+}
+
+double TimedDevice::decode_busy_seconds() const {
+  std::lock_guard lock(state_->mutex);
+  return state_->decode_busy;
 }
 
 } // namespace blockswap
