@@ -143,11 +143,23 @@ class StateDictHook(_Hook):
 
     def __call__(self, module, state_dict, prefix, local_metadata):
         offloader = self._offloader(module)
-        if (offloader is None or not offloader.forward_only
-                or not offloader._impl.is_resident(self._index)):
+        if offloader is None:
+            return None
+        paths = {id(owner): path for path, owner in module.named_modules()}
+        # Compressed frozen weights (Note [copies of compressed blocks]): their true values.
+        decoded = {id(var): value for var, value in offloader._impl.frozen_values(self._index)}
+        if decoded:
+            for owner, name, p, _ in offloader._packed[self._index]:
+                path = paths.get(id(owner))
+                key = prefix + (f"{path}.{name}" if path else name)
+                value = state_dict.get(key)
+                if (id(p) in decoded and value is not None
+                        and not isinstance(value, _torch.nn.Parameter)):
+                    state_dict[key] = decoded[id(p)]
+            return None
+        if not offloader.forward_only or not offloader._impl.is_resident(self._index):
             return None
         offloader._impl.synchronize()  # no load into the slot in flight
-        paths = {id(owner): path for path, owner in module.named_modules()}
         for owner, name, p, _ in offloader._packed[self._index]:
             path = paths.get(id(owner))
             key = prefix + (f"{path}.{name}" if path else name)
@@ -156,6 +168,65 @@ class StateDictHook(_Hook):
                     and owner._parameters.get(name) is p and not p.requires_grad):
                 state_dict[key] = value.to("cpu", copy=True)
         return None
+
+
+class FrozenState:
+    """Note [copies of compressed blocks]
+    With compress="on" a block's frozen tensors have no elements off the device (Note
+    [compressed frozen views] in src/torch/tier_views.cpp), and copy.deepcopy, pickle and
+    torch.save copy a module's tensors as they are. So each module of such a block gets this as
+    its own __getstate__ (the instance's attribute, which copy and pickle read before the
+    class's): the module's state with every compressed frozen tensor replaced by its true values,
+    decoded for this copy only. A copy is a plain module with the true weights, as without
+    compression."""
+    __slots__ = ("_owner", "_module", "_index", "__weakref__")
+
+    def __init__(self, offloader, module, index):
+        self._owner = _weakref.ref(offloader)
+        self._module = _weakref.ref(module)
+        self._index = index
+
+    def __call__(self):
+        module = self._module()
+        state = dict(module.__dict__)
+        state.pop("__getstate__", None)
+        offloader = self._owner()
+        if offloader is None or offloader._impl is None:
+            return state
+        decoded = {id(var): value for var, value in offloader._impl.frozen_values(self._index)}
+        for key in ("_parameters", "_buffers"):
+            entries = state.get(key)
+            if not entries or not any(id(t) in decoded for t in entries.values()):
+                continue
+            state[key] = type(entries)(
+                (name, t if id(t) not in decoded else
+                 _torch.nn.Parameter(decoded[id(t)], requires_grad=t.requires_grad)
+                 if isinstance(t, _torch.nn.Parameter) else decoded[id(t)])
+                for name, t in entries.items())
+        return state
+
+    @staticmethod
+    def install(offloader, block, index):
+        """On every module of block `index`; returns the handles that remove them."""
+        handles = []
+        for module in block.modules():
+            state = FrozenState(offloader, module, index)
+            module.__dict__["__getstate__"] = state
+            handles.append(_RemoveState(module, state))
+        return handles
+
+
+class _RemoveState:
+    __slots__ = ("_module", "_state")
+
+    def __init__(self, module, state):
+        self._module = _weakref.ref(module)
+        self._state = state
+
+    def remove(self):
+        module = self._module()
+        if module is not None and module.__dict__.get("__getstate__") is self._state:
+            del module.__dict__["__getstate__"]
 
 
 class ActivationHook(_Hook):

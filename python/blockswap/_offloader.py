@@ -321,6 +321,8 @@ class ModelOffloader:
         self._warned_trainable = False
         for i, block in enumerate(self.blocks):
             self._hooks.append(block._register_state_dict_hook(_hooks.StateDictHook(self, block, i)))
+            if _compress_name(block_type, compress) == "on":  # Note [copies of compressed blocks]
+                self._hooks += _hooks.FrozenState.install(self, block, i)
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
                     _hooks.WaitHook(self, block, i)))

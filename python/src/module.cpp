@@ -331,6 +331,7 @@ PYBIND11_MODULE(_C, m) {
       .def("enable", [](Offloader& o) { o.get().enable_block_swap(); })
       .def("set_forward_only", [](Offloader& o, bool f) { o.get().set_forward_only(f); })
       .def("is_resident", [](Offloader& o, int64_t i) { return o.get().is_resident(i); })
+      .def("frozen_values", [](Offloader& o, int64_t i) { return o.get().frozen_values(i); })
       .def("is_in_file", [](Offloader& o, int64_t i) { return o.get().is_in_file(i); })
       .def(
           "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())

@@ -5,6 +5,9 @@ LoRA training (with checkpointing too), offloaded activations, full fine-tuning 
 device and on the host; off the device a compressed block's frozen tensors have no elements and
 close() gives them back; a value compress does not take is named."""
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -129,6 +132,45 @@ def test_frozen_tensors_off_the_device_are_empty_until_close():
         o.close()
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+@pytest.mark.parametrize("supports_backward", [False, True])
+def test_copies_pickles_and_state_dicts_hold_the_true_weights(supports_backward):
+    """Note [copies of compressed blocks]: copy.deepcopy (an EMA copy), torch.save of the model
+    and state_dict() while offloaded give the true frozen weights, though the live tensors of a
+    block off the device have no elements; the copies are plain modules that run exactly."""
+    reference = build("flux", dtype=torch.bfloat16)
+    model = copy.deepcopy(reference)
+    if supports_backward:
+        model.requires_grad_(False)
+    offloaders = swap(model, "flux", 2, supports_backward=supports_backward, compress=True)
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert compressed_blocks(offloaders) > 0
+    blocks = model.transformer_blocks
+    assert any(p.numel() == 0 for p in blocks.parameters())  # the live tensors: no elements
+    truth = reference.state_dict()
+
+    def same(state):
+        assert list(state) == list(truth)
+        for key, value in truth.items():
+            assert torch.equal(state[key], value), key
+
+    same(model.state_dict())
+    ema = copy.deepcopy(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    for copied in (ema, loaded):
+        same(copied.state_dict())
+        assert not any("__getstate__" in m.__dict__ for m in copied.modules())
+        assert torch.equal(infer(copied, "flux", dtype=torch.bfloat16), expected)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    for o in offloaders:
+        o.close()
+    assert not any("__getstate__" in m.__dict__ for m in model.modules())
+    same(model.state_dict())
 
 
 def test_values_compress_does_not_take_are_named():

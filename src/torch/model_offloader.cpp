@@ -1,5 +1,6 @@
 // What a ModelOffloader does (offloader_impl.hpp): its verbs, each pass's engine calls and the
 // brackets around each block. How one is built is in offloader_build.cpp.
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <utility>
@@ -237,6 +238,12 @@ ModelOffloader::run_block(int64_t block_idx, const torch::autograd::variable_lis
 
 bool ModelOffloader::is_resident(int64_t block_idx) const {
   return impl_->engine().is_resident(block_idx);
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>>
+ModelOffloader::frozen_values(int64_t block_idx) const {
+  const c10::InferenceMode normal(false); // Note [inference mode] in block_binder.cpp
+  return impl_->frozen_values(block_idx);
 }
 
 bool ModelOffloader::is_in_file(int64_t block_idx) const {

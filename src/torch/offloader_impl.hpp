@@ -36,6 +36,12 @@ public:
   torch_frontend::FineTuner& fine_tuner() { return fine_tuner_; }
   const torch_frontend::FineTuner& fine_tuner() const { return fine_tuner_; }
   Engine& engine() { return *engine_; }
+  // ModelOffloader::frozen_values: a compressed block's frozen tensors with their true values.
+  std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block) {
+    BLOCKSWAP_CHECK_ARGUMENT(block >= 0 && block < static_cast<int64_t>(binder_.layouts().size()),
+                             "frozen_values: block ", block, " out of range");
+    return binder_.views().frozen_values(block, binder_.layouts()[block]);
+  }
   c10::Device compute_device() const { return torch_device_; }
   const std::shared_ptr<Device>& device() const { return device_; }
   bool offloads_activations() const { return options_.offload_activations; }

@@ -49,8 +49,13 @@ void TierViews::use_compressed(int64_t block, std::shared_ptr<Buffer> host,
 }
 
 void TierViews::decode_host_copy(int64_t block, std::size_t frozen_bytes) {
-  const auto b = static_cast<std::size_t>(block);
   if (!compressed(block)) return;
+  decoded_[static_cast<std::size_t>(block)] = decoded_frozen(block, frozen_bytes);
+}
+
+std::shared_ptr<Buffer> TierViews::decoded_frozen(int64_t block, std::size_t frozen_bytes) const {
+  const auto b = static_cast<std::size_t>(block);
+  BLOCKSWAP_ASSERT(compressed(block), "block ", block, " is not compressed");
   auto* data = static_cast<std::byte*>(std::aligned_alloc(
       layout::kAlignment, layout::align_up(std::max<std::size_t>(frozen_bytes, 1))));
   BLOCKSWAP_CHECK(data != nullptr, "[", label_, "] cannot allocate ", frozen_bytes,
@@ -59,7 +64,19 @@ void TierViews::decode_host_copy(int64_t block, std::size_t frozen_bytes) {
       std::make_shared<Buffer>(data, frozen_bytes, [](std::byte* p, std::size_t) { std::free(p); });
   codec::decode(std::span<const std::byte>(hosts_[b]->data(), compressed_bytes_[b]),
                 std::span<std::byte>(decoded->data(), frozen_bytes));
-  decoded_[b] = std::move(decoded);
+  return decoded;
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>>
+TierViews::frozen_values(int64_t block, const BlockLayout& layout) const {
+  std::vector<std::pair<at::Tensor, at::Tensor>> values;
+  if (!compressed(block)) return values;
+  const std::shared_ptr<Buffer> decoded = decoded_frozen(block, layout.trainable_offset);
+  for (const PackedTensor& t : layout.tensors) {
+    if (t.role == Role::frozen)
+      values.emplace_back(t.variable, view(decoded, t.offset, t, at::kCPU));
+  }
+  return values;
 }
 
 at::Tensor TierViews::frozen(int64_t block, const PackedTensor& t) const {

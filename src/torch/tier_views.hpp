@@ -51,6 +51,14 @@ public:
   // frozen views show from then on: for the weights the offloader leaves behind at close.
   // Throws Error where the compressed bytes are damaged.
   void decode_host_copy(int64_t block, std::size_t frozen_bytes);
+  // A compressed block's frozen bytes decoded into host memory of their own, for one reader (a
+  // state_dict, a copy of the model): nothing is kept, the views stay as they are. Throws Error
+  // where the compressed bytes are damaged.
+  std::shared_ptr<Buffer> decoded_frozen(int64_t block, std::size_t frozen_bytes) const;
+  // Each frozen tensor of a compressed block (its variable) with its true values in host memory
+  // of their own (decoded_frozen); empty for a block that is not compressed.
+  std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block,
+                                                               const BlockLayout& layout) const;
 
   // What the module's tensors must still fill of block `block`'s host copy once its source has
   // filled what it holds: everything; all but the frozen tensors, which were read from the file

@@ -117,6 +117,12 @@ public:
   std::vector<at::Tensor> run_block(int64_t block_idx, const std::vector<at::Tensor>& inputs,
                                     const BlockFn& fn);
   bool is_resident(int64_t block_idx) const;
+  // With Options::compress: each frozen tensor of block i whose weights are stored compressed
+  // (the module's own tensor, which has no elements off the device), with its true values decoded
+  // into host memory of their own; empty when the block's frozen weights are not compressed. For
+  // whatever must read every weight (a state_dict, a copy of the model): Note [compressed
+  // frozen views] in src/torch/tier_views.cpp. Throws Error where the bytes are damaged.
+  std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block_idx) const;
   // Whether block i is read from Options::weights_file for each load (the file tier).
   bool is_in_file(int64_t block_idx) const;
   // Blocks the host until every copy enqueued so far has completed (not the computations).
