@@ -90,6 +90,25 @@ Schedule::Schedule(const ScheduleOptions& options)
   build_forward_only();
 }
 
+// The K+R rotating blocks r_0 < ... spread evenly among the N (Note [rotation]), r_0..r_{R-1}
+// in slots 0..R-1 and the blocks that never move in the slots after them.
+std::vector<int64_t> Schedule::spread_rotating() {
+  const int64_t rotating = blocks_to_swap_ + rotating_slots_;
+  std::vector<int64_t> order(rotating);
+  std::vector<bool> rotates(blocks_, false);
+  for (int64_t j = 0; j < rotating; ++j) {
+    order[j] = j * blocks_ / rotating; // strictly increasing because rotating <= blocks_
+    rotates[order[j]] = true;
+    if (j < rotating_slots_) initial_slots_[order[j]] = j;
+  }
+  int64_t fixed_slot = rotating_slots_;
+  for (int64_t b = 0; b < blocks_; ++b) {
+    if (!rotates[b]) initial_slots_[b] = fixed_slot++;
+  }
+  BLOCKSWAP_ASSERT(fixed_slot == slots_, "fixed slots ", fixed_slot, " != ", slots_);
+  return order;
+}
+
 // Note [rotation]
 // Forward-only, K blocks do not fit. R slots are set aside for rotation and the other N-K-R
 // slots hold blocks that never move. M = K+R blocks rotate: r_0 < r_1 < ... < r_{M-1}; prepare
@@ -105,20 +124,9 @@ Schedule::Schedule(const ScheduleOptions& options)
 // smallest such gap; a contiguous run would give each load the compute of about R-1 blocks.
 // With R = N-K every block rotates (r_j = j), which is exactly the seed's cyclic scheme.
 void Schedule::build_forward_only() {
-  const int64_t rotating = blocks_to_swap_ + rotating_slots_;
-  std::vector<int64_t> order(rotating);
-  std::vector<bool> rotates(blocks_, false);
+  const std::vector<int64_t> order = spread_rotating();
+  const auto rotating = static_cast<int64_t>(order.size());
   for (int64_t j = 0; j < rotating; ++j) {
-    order[j] = j * blocks_ / rotating; // strictly increasing because rotating <= blocks_
-    rotates[order[j]] = true;
-  }
-  int64_t fixed_slot = rotating_slots_;
-  for (int64_t b = 0; b < blocks_; ++b) {
-    if (!rotates[b]) initial_slots_[b] = fixed_slot++;
-  }
-  BLOCKSWAP_ASSERT(fixed_slot == slots_, "fixed slots ", fixed_slot, " != ", slots_);
-  for (int64_t j = 0; j < rotating; ++j) {
-    if (j < rotating_slots_) initial_slots_[order[j]] = j;
     forward_moves_[order[j]].push_back(Move{order[j], order[(j + rotating_slots_) % rotating]});
   }
   loads_per_pass_ = layout::loads_per_pass(blocks_to_swap_, mode_, rotating_slots_);
@@ -162,20 +170,9 @@ void Schedule::build_training() {
 // against N-K-1 in the seed's layout; so the rotating blocks are spread evenly between the
 // blocks that never move (Note [rotation] does the same for forward-only passes).
 void Schedule::build_training_rotation() {
-  const int64_t rotating = blocks_to_swap_ + rotating_slots_;
-  std::vector<int64_t> order(rotating);
-  std::vector<bool> rotates(blocks_, false);
+  const std::vector<int64_t> order = spread_rotating();
+  const auto rotating = static_cast<int64_t>(order.size());
   for (int64_t j = 0; j < rotating; ++j) {
-    order[j] = j * blocks_ / rotating;
-    rotates[order[j]] = true;
-  }
-  int64_t fixed_slot = rotating_slots_;
-  for (int64_t b = 0; b < blocks_; ++b) {
-    if (!rotates[b]) initial_slots_[b] = fixed_slot++;
-  }
-  BLOCKSWAP_ASSERT(fixed_slot == slots_, "fixed slots ", fixed_slot, " != ", slots_);
-  for (int64_t j = 0; j < rotating; ++j) {
-    if (j < rotating_slots_) initial_slots_[order[j]] = j;
     if (j + rotating_slots_ < rotating) {
       forward_moves_[order[j]].push_back(Move{order[j], order[j + rotating_slots_]});
       backward_moves_[order[j + rotating_slots_]].push_back(

@@ -123,6 +123,7 @@ private:
   void build_forward_only();
   void build_training();
   void build_training_rotation();
+  std::vector<int64_t> spread_rotating();
 
   int64_t blocks_;
   int64_t blocks_to_swap_;
