@@ -385,6 +385,31 @@ TEST(Plan, SaysWhetherCompressionPays) {
   EXPECT_NE(bad.exit_code, 0);
 }
 
+// With compression each group's decode buffer is on the device beside its slots: the plan with
+// compression fits the budget with them (as the Python planner and the offloaders count them).
+TEST(Plan, CompressionCountsTheDecodeBuffersInTheBudget) {
+  const fs::path flux = scratch() / "flux-decode-buffers.safetensors";
+  write_sparse_model(flux, flux_tensors(), "BF16", 2);
+  for (const std::string mode : {"train", "infer"}) {
+    const Result r = run_tool("plan " + flux.string() + " --budget 12GiB --mode " + mode +
+                              " --link-gbps 4 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const json out = json::parse(r.out);
+    const json& c = out["compression"];
+    uint64_t largest = 0;
+    for (const json& g : out["groups"]) largest += g["block_bytes"].get<uint64_t>();
+    const uint64_t budget = out["budget_bytes"].get<uint64_t>();
+    EXPECT_GE(c["decode_buffer_bytes"].get<uint64_t>(), largest) << mode;
+    EXPECT_LE(c["device_bytes"].get<uint64_t>(), budget) << mode;
+    // Where the raw plan leaves no room for them, the compressed plan is another one.
+    const bool room = out["device_bytes"].get<uint64_t>() + largest <= budget;
+    EXPECT_EQ(c["blocks_to_swap"] == json::array({out["groups"][0]["blocks_to_swap"],
+                                                  out["groups"][1]["blocks_to_swap"]}),
+              room)
+        << mode << r.out;
+  }
+}
+
 TEST(Plan, PredictsTheStepTimeAndTheRotatingSlots) {
   const fs::path flux = scratch() / "flux-predict.safetensors";
   const fs::path wan = scratch() / "wan-predict.safetensors";
