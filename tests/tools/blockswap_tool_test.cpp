@@ -844,11 +844,26 @@ TEST(Run, CompressIsExactAndReportsTheRatioAndTheBytesSaved) {
     EXPECT_EQ(out["swapped"]["compressed_blocks"], 4);
     EXPECT_GT(out["swapped"]["host_bytes_saved"].get<uint64_t>(), 0u);
     EXPECT_GT(out["swapped"]["link_bytes_saved"].get<uint64_t>(), 0u);
+    EXPECT_EQ(out["swapped"]["compression"], "on");
   }
   const Result off = run_tool("run --device cpu --blocks 4 --hidden 64 --heads 2 --tokens 16 "
                               "--steps 1 --json");
   ASSERT_EQ(off.exit_code, 0) << off.err;
   EXPECT_EQ(json::parse(off.out)["swapped"]["compression_ratio"].get<double>(), 1.0);
+  EXPECT_EQ(json::parse(off.out)["swapped"]["compression"], "off");
+  // auto, with host memory to spare and no step time known: off, and says why (Note [automatic
+  // compression]).
+  const Result automatic =
+      run_tool("run --device cpu --blocks 4 --hidden 64 --heads 2 "
+               "--tokens 16 --steps 1 --dtype bfloat16 --compress auto --json");
+  ASSERT_EQ(automatic.exit_code, 0) << automatic.err;
+  const json chosen = json::parse(automatic.out)["swapped"];
+  EXPECT_EQ(chosen["compression"], "off");
+  EXPECT_NE(chosen["compression_reason"].get<std::string>().find("host memory suffices"),
+            std::string::npos)
+      << chosen;
+  EXPECT_NE(automatic.err.find("compression off: compress='auto'"), std::string::npos)
+      << automatic.err;
   const Result bad = run_tool("run --compress yes");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--compress"), std::string::npos) << bad.err;
