@@ -284,9 +284,6 @@ TEST(Compress, FrozenTensorsOffTheDeviceAreEmptyUntilClose) {
                            " were written in place while their blocks were off the device");
     const torch::Tensor got = pass(); // the offloader goes on
     const torch::Tensor again = pass();
-    if (!offloader.is_resident(off)) {
-      EXPECT_EQ(model.blocks[off]->fc1->bias.numel(), 0);
-    }
     expect_bitwise(got, again, "the pass after the error, twice");
   }
   // The assigned weight was kept; every other weight has its values again.
