@@ -216,6 +216,55 @@ class FrozenState:
         return handles
 
 
+class LoadStateHook(_Hook):
+    """Note [loading compressed blocks]
+    ``load_state_dict`` copies each value into its parameter in place, after checking the
+    shapes; a compressed block's frozen tensors have no elements off the device (Note
+    [compressed frozen views] in src/torch/tier_views.cpp), so torch would refuse them, after
+    having loaded the blocks before. So a pre-hook on each block (``pre``) binds the frozen
+    tensors that the state dict holds to their true values, decoded, which torch then loads
+    into as without compression; the post-hook, once the block and its modules are loaded,
+    takes the changes at once (ModelOffloader::take_changes: the block's frozen bytes are
+    encoded again, Note [changed compressed weights] in src/torch/block_binder.cpp), so that
+    the decoded values do not stay in host memory. ``assign=True`` replaces the Parameters
+    instead: blockswap takes those at the next pass (Note [the model as it runs])."""
+    __slots__ = ("_pre",)
+
+    def __init__(self, offloader, block, index, pre):
+        super().__init__(offloader, block, index)
+        self._pre = pre
+
+    def __call__(self, module, *args):
+        offloader = self._offloader(module)
+        if offloader is None:
+            return None
+        if not self._pre:
+            offloader._impl.take_changes(self._index)
+            return None
+        state_dict, prefix, local_metadata = args[0], args[1], args[2]
+        if local_metadata.get("assign_to_params_buffers"):
+            return None
+        decoded = {id(var): value for var, value in offloader._impl.frozen_values(self._index)}
+        if not decoded:
+            return None
+        paths = {id(owner): path for path, owner in module.named_modules()}
+        for owner, name, p, _ in offloader._packed[self._index]:
+            path = paths.get(id(owner))
+            key = prefix + (f"{path}.{name}" if path else name)
+            if (id(p) in decoded and p.numel() == 0 and key in state_dict
+                    and owner._parameters.get(name) is p):  # off the device: no elements
+                p.data = decoded[id(p)]
+        return None
+
+    @staticmethod
+    def install(offloader, block, index):
+        """The pre-hook and the post-hook on block `index`; returns their handles."""
+        return [block._register_load_state_dict_pre_hook(
+                    LoadStateHook(offloader, block, index, pre=True), with_module=True),
+                block.register_load_state_dict_post_hook(
+                    LoadStateHook(offloader, block, index, pre=False))]
+
+
 class _RemoveState:
     __slots__ = ("_module", "_state")
 

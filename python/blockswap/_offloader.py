@@ -160,7 +160,12 @@ class ModelOffloader:
     blocks' frozen weights are kept in host memory losslessly compressed and decoded on the
     device at each load: exact, less host memory, fewer bytes over the link; off the device
     their frozen tensors have no elements, and ``close()`` gives them their values back;
-    ``"off"``, the default; ``"auto"``: off for now; True and False are ``"on"`` and ``"off"``).
+    ``"off"``, the default; ``"auto"``: on where it pays, when the weights are floating point
+    and host memory is short, else off, chosen per offloader and reported in ``stats()`` and
+    ``compression()`` with the reason; True and False are ``"on"`` and ``"off"``). Frozen
+    weights changed between passes are encoded again (``param.data = new``,
+    ``load_state_dict``, peft's merges); an in-place write into a compressed tensor off the
+    device raises at the next pass (docs/guide.md, "Compressed weights").
 
     Activations (docs/guide.md, "Offloading activations"): ``offload_activations`` (what each
     block's forward saves for backward goes to host memory and comes back just before the
@@ -321,8 +326,9 @@ class ModelOffloader:
         self._warned_trainable = False
         for i, block in enumerate(self.blocks):
             self._hooks.append(block._register_state_dict_hook(_hooks.StateDictHook(self, block, i)))
-            if _compress_name(block_type, compress) == "on":  # Note [copies of compressed blocks]
+            if self._impl.compression()["on"]:  # Note [copies of compressed blocks]
                 self._hooks += _hooks.FrozenState.install(self, block, i)
+                self._hooks += _hooks.LoadStateHook.install(self, block, i)
             if hook_blocks:
                 self._hooks.append(block.register_forward_pre_hook(
                     _hooks.WaitHook(self, block, i)))
@@ -762,7 +768,9 @@ class ModelOffloader:
         this offloader's device, every offloader on it together (``Device.host_memory()``):
         ``pinned_host_bytes`` now and at most, the bytes those buffers hold
         (``kept_host_bytes``, ``peak_kept_host_bytes``), ``pageable_host_bytes``, and
-        ``pinned_per_kept`` (the peaks' ratio: 1.0 is nothing wasted)."""
+        ``pinned_per_kept`` (the peaks' ratio: 1.0 is nothing wasted); ``device_bytes`` counts
+        the decode buffer beside the slots; ``compression`` ("on" or "off") and
+        ``compression_reason`` (what ``compress="auto"`` chose, and why)."""
         if self._impl is None:
             stats = {"h2d_bytes": 0, "d2h_bytes": 0, "moves": 0, "stall_seconds": 0.0,
                      "device_bytes": 0, "peak_device_bytes": 0, "disk_bytes": 0,
@@ -776,6 +784,9 @@ class ModelOffloader:
         for name, value in self._carried.items():
             stats[name] = max(stats[name], value) if name.startswith("peak") else stats[name] + value
         stats.update(host)
+        compression = self.compression()  # Note [automatic compression]: what auto chose, why
+        stats["compression"] = "on" if compression["on"] else "off"
+        stats["compression_reason"] = compression["reason"]
         if self._activations is not None:
             stats.update(self._activation_store.stats())
         return stats
@@ -784,10 +795,13 @@ class ModelOffloader:
         """With ``compress="on"``: the blocks whose frozen weights are stored compressed
         (``blocks``), those weights' bytes raw and compressed (``raw_bytes``,
         ``compressed_bytes``: the host memory saved is the difference), ``ratio`` (1.0 with
-        none) and the device bytes of the decode buffer (``decode_buffer_bytes``)."""
+        none), the device bytes of the decode buffer (``decode_buffer_bytes``), whether
+        compression is on (``on``: with ``compress="auto"``, what it chose) and why
+        (``reason``)."""
         if self._impl is None:
             return {"blocks": 0, "raw_bytes": 0, "compressed_bytes": 0, "ratio": 1.0,
-                    "decode_buffer_bytes": 0}
+                    "decode_buffer_bytes": 0, "on": False,
+                    "reason": "no engine (closed, or nothing to swap)"}
         return self._impl.compression()
 
     def reset_stats(self):

@@ -49,13 +49,29 @@ def _adapter_tensors(layer, base):
     return [q for q in layer.parameters() if all(q is not b for b in base)]
 
 
-def _private_copies(layer, base):
+def _true_values(offloader, base):
+    """The base weights' values: with compress="on" those of a block off the device are
+    decoded (they have no elements there; Note [copies of compressed blocks] in _hooks.py)."""
+    empty = [p for p in base if p.numel() == 0]
+    values = {}
+    if not empty or offloader._impl is None:
+        return values
+    for i, packed in enumerate(offloader._packed):
+        if any(entry[2] is p for entry in packed for p in empty):
+            values.update((id(var), value) for var, value in offloader._impl.frozen_values(i))
+    return values
+
+
+def _private_copies(offloader, layer, base):
     """Rebinds the base weights to private copies of their true values, on the adapters'
-    device: peft's write through .data lands there, and blockswap sees the rebinding."""
+    device: peft's write through .data lands there, and blockswap sees the rebinding (a
+    compressed block's frozen weights are encoded again: Note [changed compressed weights] in
+    src/torch/block_binder.cpp)."""
     adapters = _adapter_tensors(layer, base)
     device = adapters[0].device if adapters else None
+    values = _true_values(offloader, base)
     for p in base:
-        p.data = p.detach().to(device or p.device, copy=True)
+        p.data = values.get(id(p), p.detach()).to(device or p.device, copy=True)
 
 
 def _routed(original, body):
@@ -75,10 +91,11 @@ def _routed(original, body):
 def _merge(offloader, layer, call):
     base = _base_tensors(layer)
     originals = offloader._merge_originals
+    values = _true_values(offloader, base)
     for p in base:
         if id(p) not in originals:
-            originals[id(p)] = [p, p.detach().to("cpu", copy=True), None]
-    _private_copies(layer, base)
+            originals[id(p)] = [p, values.get(id(p), p.detach()).to("cpu", copy=True), None]
+    _private_copies(offloader, layer, base)
     result = call()
     # What a later unmerge checks: nobody wrote the weights or the adapters since.
     for p in base:
@@ -94,7 +111,7 @@ def _unmerge(offloader, layer, call):
     adapters = offloader._merge_adapters.pop(id(layer), None)
     untouched = (adapters is not None and all(q._version == v for q, v in adapters)
                  and all(id(p) in originals and originals[id(p)][2] == p._version for p in base))
-    _private_copies(layer, base)
+    _private_copies(offloader, layer, base)
     result = call()
     for p in base:
         saved = originals.pop(id(p), None)

@@ -50,6 +50,8 @@ py::dict to_dict(const CompressionStats& s) {
   d["compressed_bytes"] = s.compressed_bytes;
   d["ratio"] = s.ratio();
   d["decode_buffer_bytes"] = s.decode_buffer_bytes;
+  d["on"] = s.on;
+  d["reason"] = s.reason;
   return d;
 }
 
@@ -332,6 +334,7 @@ PYBIND11_MODULE(_C, m) {
       .def("set_forward_only", [](Offloader& o, bool f) { o.get().set_forward_only(f); })
       .def("is_resident", [](Offloader& o, int64_t i) { return o.get().is_resident(i); })
       .def("frozen_values", [](Offloader& o, int64_t i) { return o.get().frozen_values(i); })
+      .def("take_changes", [](Offloader& o, int64_t i) { o.get().take_changes(i); })
       .def("is_in_file", [](Offloader& o, int64_t i) { return o.get().is_in_file(i); })
       .def(
           "synchronize", [](Offloader& o) { o.get().synchronize(); }, Release())

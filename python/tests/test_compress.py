@@ -179,7 +179,199 @@ def test_values_compress_does_not_take_are_named():
         with pytest.raises(InvalidArgumentError, match="off.*on.*auto"):
             blockswap.ModelOffloader("blocks", blocks, len(blocks), 2, False,
                                      torch.device("cpu"), compress=bad)
-    # auto: off until the planner says when it pays.
-    with blockswap.ModelOffloader("blocks", blocks, len(blocks), 2, False, torch.device("cpu"),
-                                  compress="auto") as offloader:
-        assert offloader.compression()["blocks"] == 0
+
+
+
+def evicted_block(model, offloaders):
+    blocks = model.transformer_blocks
+    evicted = [i for i in range(len(blocks)) if not offloaders[0].is_resident(i)]
+    assert evicted
+    return blocks[evicted[0]]
+
+
+def test_writes_into_compressed_weights_off_the_device_raise_and_the_model_runs_on():
+    """Note [changed compressed weights]: an in-place write into a frozen tensor with no
+    elements (off the device) did nothing: the next pass says so, naming what to do, and the
+    passes after it run with the true weights, never the half-written model."""
+    reference, model = build("flux", dtype=torch.bfloat16), build("flux", dtype=torch.bfloat16)
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress=True)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    block = evicted_block(model, offloaders)
+    weight = next(p for n, p in block.named_parameters()
+                  if n.endswith("weight") and not p.requires_grad)
+    assert weight.numel() == 0
+    with torch.no_grad():
+        weight.mul_(0.5)
+    with pytest.raises(blockswap.Error, match="written in place while their blocks were off "
+                                              "the device.*compress='off'"):
+        infer(model, "flux", offloaders, dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    with pytest.raises(RuntimeError):  # copy_ of a whole tensor: torch's own error, at once
+        with torch.no_grad():
+            weight.copy_(torch.ones(3, 4, dtype=torch.bfloat16))
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    for o in offloaders:
+        o.close()
+
+
+@pytest.mark.parametrize("supports_backward", [False, True])
+def test_assigned_compressed_weights_are_encoded_again_exactly(supports_backward):
+    """param.data = new (or any rebinding to a tensor of the shape) between passes: the block's
+    frozen bytes are encoded again; the passes use the new values, as without blockswap."""
+    reference, model = build("flux", dtype=torch.bfloat16), build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=supports_backward, compress=True)
+    infer(model, "flux", offloaders, dtype=torch.bfloat16)
+    block = evicted_block(model, offloaders)
+    index = list(model.transformer_blocks).index(block)
+    truth = dict(reference.transformer_blocks[index].named_parameters())
+    names = [n for n, p in block.named_parameters() if not p.requires_grad and truth[n].dim() == 2]
+    target = truth[names[0]]
+    with torch.no_grad():
+        target.mul_(0.5)
+    dict(block.named_parameters())[names[0]].data = target.detach().clone()
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert compressed_blocks(offloaders) > 0
+    truth = reference.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+    for o in offloaders:
+        o.close()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_load_state_dict_while_compressed_loads_every_block(strict):
+    """Note [loading compressed blocks]: model.load_state_dict(checkpoint) while offloaded with
+    compression loads the frozen weights of the blocks off the device too, exactly, and they
+    are compressed again."""
+    checkpoint = build("flux", seed=3, dtype=torch.bfloat16)
+    expected = infer(checkpoint, "flux", dtype=torch.bfloat16)
+    model = build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress=True)
+    infer(model, "flux", offloaders, dtype=torch.bfloat16)
+    blocks = compressed_blocks(offloaders)
+    model.load_state_dict(checkpoint.state_dict(), strict=strict)
+    assert any(p.numel() == 0 for p in model.transformer_blocks.parameters())  # compressed again
+    assert compressed_blocks(offloaders) == blocks
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    truth = checkpoint.state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+    for o in offloaders:
+        o.close()
+
+
+def test_peft_merge_while_compressed_is_peft_s():
+    """peft's merge_adapter / unmerge_adapter on compressed blocks (Note [peft merges]): the
+    merged sample is peft's without blockswap, and the unmerge gives the base weights back."""
+    pytest.importorskip("peft")
+    from test_peft import merge, unmerge
+
+    from real_models import base_weights
+
+    reference, model = build("flux"), build("flux")
+    originals = base_weights(model, "flux")  # (the model's own proj_out is not swapped)
+    offloaders = swap(model, "flux", 2, compress=True)
+    train(reference, "flux", steps=1)
+    train(model, "flux", offloaders, steps=1)
+    assert compressed_blocks(offloaders) > 0
+    merge(reference)
+    merge(model)
+    for seed in (1, 2):
+        assert torch.equal(infer(reference, "flux", seed=seed), infer(model, "flux", offloaders,
+                                                                     seed=seed))
+    unmerge(model)
+    assert compressed_blocks(offloaders) > 0
+    infer(model, "flux", offloaders)  # a pass: the unmerged weights encoded again
+    for o in offloaders:
+        o.close()
+    now = base_weights(model, "flux")
+    assert all(torch.equal(originals[name], now[name]) for name in originals)
+
+
+def test_compressed_sizes_are_the_same_from_build_to_build():
+    """Note [padding bytes]: the bytes between a block's tensors are zeroed before they are
+    encoded, so the compressed sizes do not depend on what the allocator left there (here: host
+    memory written with a pattern and freed before each build)."""
+    sizes = []
+    for pattern in (0x00, 0x5A, 0xC3):
+        garbage = [torch.full((n,), pattern, dtype=torch.uint8)
+                   for n in (1 << 12, 1 << 14, 1 << 16, 1 << 18) for _ in range(16)]
+        del garbage
+        model = build("flux", dtype=torch.bfloat16)
+        offloaders = swap(model, "flux", 2, supports_backward=False, compress=True)
+        sizes.append([(o.compression()["compressed_bytes"], o.compression()["blocks"])
+                      for o in offloaders])
+        for o in offloaders:
+            o.close()
+    assert sizes[0][0][1] > 0
+    assert sizes[1] == sizes[0] and sizes[2] == sizes[0]
+
+
+def test_device_bytes_count_the_decode_buffer():
+    """stats()["device_bytes"] is the device memory the offloader holds: its slots and, with
+    compression, the decode buffer."""
+    got = {}
+    for compress in ("off", "on"):
+        model = build("flux", dtype=torch.bfloat16)
+        offloaders = swap(model, "flux", 2, supports_backward=False, compress=compress)
+        infer(model, "flux", offloaders, dtype=torch.bfloat16)
+        got[compress] = [(o.stats()["device_bytes"], o.stats()["peak_device_bytes"],
+                          o.compression()["decode_buffer_bytes"]) for o in offloaders]
+        for o in offloaders:
+            o.close()
+    for (off, peak_off, _), (on, peak_on, decode) in zip(got["off"], got["on"]):
+        assert decode > 0
+        assert on == off + decode and peak_on == peak_off + decode
+
+
+def test_auto_is_off_where_nothing_says_it_pays_and_says_why():
+    """Note [automatic compression]: with host memory to spare (this machine, a small model) and
+    no step time known, auto is off; with weights of a dtype that does not compress it is off
+    for that; the choice and its reason are in stats() and compression()."""
+    model = build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress="auto")
+    for o in offloaders:
+        stats = o.stats()
+        assert stats["compression"] == "off" and not o.compression()["on"]
+        assert "host memory suffices" in stats["compression_reason"]
+        assert o.compression()["blocks"] == 0
+        o.close()
+    model = build("flux", dtype=torch.float64)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress="auto")
+    for o in offloaders:
+        assert o.stats()["compression"] == "off"
+        assert "not of a dtype that compresses" in o.stats()["compression_reason"]
+        o.close()
+    model = build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress="on")
+    assert all(o.stats()["compression"] == "on" for o in offloaders)
+    assert all(o.stats()["compression_reason"] == "compress='on'" for o in offloaders)
+    for o in offloaders:
+        o.close()
+
+
+def test_auto_is_on_where_host_memory_is_short(tmp_path):
+    """Note [automatic compression]: a host budget under the blocks' raw bytes (the file tier
+    holds the rest) is host memory short: auto compresses the blocks in host memory, exactly."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference = build("flux", dtype=torch.bfloat16, lora=False)
+    path = tmp_path / "flux.safetensors"
+    safetensors_torch.save_file(reference.state_dict(), str(path))
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    model = build("flux", dtype=torch.bfloat16, lora=False)
+    budget = min(sum(p.numel() * p.element_size() for p in getattr(model, name).parameters())
+                 for name in ("transformer_blocks", "single_transformer_blocks")) // 2
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress="auto",
+                      weights_file=str(path), host_budget_bytes=budget)
+    assert all(o.stats()["compression"] == "on" for o in offloaders)
+    assert all("host memory is short" in o.stats()["compression_reason"] for o in offloaders)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    for o in offloaders:
+        o.close()

@@ -205,7 +205,7 @@ Compress parse_compress(const std::string& name) {
   throw Error(detail::concat("compress must be one of off, on, auto; got '", name, "'"));
 }
 
-// automatic is off until the planner says when compression pays (EngineOptions::compress).
+// automatic is off here: the builder chooses (EngineOptions::compress).
 void Engine::Impl::compress_once() {
   if (compressed_) return;
   compressed_ = true;
@@ -231,6 +231,25 @@ std::size_t Engine::host_frozen_bytes(int64_t block) const {
   return impl_->store_.stored_frozen_bytes(block);
 }
 
+bool Engine::replace_frozen(int64_t block, std::span<const std::byte> raw) {
+  std::lock_guard lock(impl_->mutex_);
+  impl_->check_block(block);
+  HostStore& store = impl_->store_;
+  BLOCKSWAP_CHECK(store.compressed(block) && impl_->backend_->holds_data(), "[", impl_->label_,
+                  "] block ", block, "'s frozen bytes are not stored compressed");
+  BLOCKSWAP_CHECK(raw.size() == store.frozen_bytes(block), "[", impl_->label_, "] block ", block,
+                  " has ", store.frozen_bytes(block), " frozen bytes, not ", raw.size());
+  // Note [changed compressed weights]: no copy may read the old buffer or write it.
+  try {
+    impl_->backend_->synchronize(*impl_->blocks_[block].loaded);
+    if (store.pending(block)) impl_->backend_->synchronize(store.written(block));
+  } catch (...) {
+    impl_->copy_failed(std::current_exception());
+  }
+  return store.replace_frozen(block, raw, impl_->options_.frozen_ranges[block],
+                              impl_->loads_.decode_buffer_bytes());
+}
+
 CompressionStats Engine::compression() const {
   std::lock_guard lock(impl_->mutex_);
   CompressionStats stats;
@@ -241,6 +260,7 @@ CompressionStats Engine::compression() const {
     stats.compressed_bytes += impl_->store_.stored_frozen_bytes(b);
   }
   stats.decode_buffer_bytes = impl_->loads_.decode_buffer_bytes();
+  stats.on = impl_->options_.compress == Compress::on;
   return stats;
 }
 
@@ -325,6 +345,10 @@ Stats Engine::stats() const {
   stats.staged_bytes = impl_->loads_.counters().staged_bytes;
   stats.decoded_bytes = impl_->loads_.counters().decoded_bytes;
   stats.compressed_bytes = impl_->loads_.counters().compressed_bytes;
+  // The decode buffer is held from compress() to the end, beside every slot the engine holds.
+  const uint64_t decode_buffer = impl_->loads_.decode_buffer_bytes();
+  stats.device_bytes += decode_buffer;
+  stats.peak_device_bytes += decode_buffer;
   return stats;
 }
 

@@ -108,7 +108,9 @@ struct Engine::Impl {
   mutable std::vector<StallTimer> stall_timers_; // recorded, not yet read
   mutable std::vector<StallTimer> spare_timers_;
   mutable Stats stats_;
-  mutable std::mutex mutex_;
+  // Recursive: a listener, called with it held, may replace a block's frozen bytes
+  // (Engine::replace_frozen).
+  mutable std::recursive_mutex mutex_;
 };
 
 } // namespace blockswap

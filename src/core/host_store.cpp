@@ -106,6 +106,39 @@ bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
   return true;
 }
 
+// Note [changed compressed weights]
+// The caller may change frozen weights between passes (a checkpoint loaded, an adapter merged:
+// Note [changed tensors] in torch/block_binder.cpp). A compressed block has no raw copy to write
+// them into, so its frozen bytes are encoded again as a whole, into a new buffer, the old one
+// freed once no copy reads it. The decode buffer was sized for the largest block compressed at
+// first; new bytes that compress worse than fits it, or not at all, are stored raw: the block
+// then loads as an uncompressed one, exactly, and costs its raw bytes of host memory. The packed
+// region's trainable bytes move with the buffer (a pending write-back into it is done by then:
+// the engine waits for it), the spare stays where it is.
+bool HostStore::replace_frozen(int64_t block, std::span<const std::byte> raw,
+                               std::span<const codec::Range> ranges, std::size_t most) {
+  Block& b = blocks_[block];
+  const std::size_t frozen = b.bytes - b.trainable;
+  BLOCKSWAP_ASSERT(b.parsed && b.host && raw.size() == frozen, "block ", block,
+                   "'s frozen bytes cannot be replaced");
+  std::vector<std::byte> packed = codec::encode(raw, ranges);
+  const bool shrinks =
+      packed.size() <= most && layout::align_up(packed.size()) < layout::align_up(frozen);
+  const std::size_t stored = shrinks ? packed.size() : frozen;
+  const std::size_t at = shrinks ? layout::align_up(stored) : frozen;
+  Buffer host = backend_->allocate_host(at + b.trainable);
+  std::memcpy(host.data(), shrinks ? packed.data() : raw.data(), stored);
+  std::memset(host.data() + stored, 0, at - stored);
+  if (b.trainable > 0) std::memcpy(host.data() + at, b.host->data() + b.trainable_at, b.trainable);
+  b.parsed = shrinks ? std::make_shared<const codec::Parsed>(
+                           codec::parse(std::span<const std::byte>(host.data(), packed.size())))
+                     : nullptr;
+  b.host = std::make_shared<Buffer>(std::move(host));
+  b.compressed = shrinks ? packed.size() : 0;
+  b.trainable_at = at;
+  return shrinks;
+}
+
 bool HostStore::model_compressed(int64_t block, std::size_t compressed_bytes) {
   Block& b = blocks_[block];
   BLOCKSWAP_ASSERT(!backend_->holds_data() && !caller_memory_ && !b.in_file && b.host && !b.parsed,

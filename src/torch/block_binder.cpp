@@ -4,8 +4,12 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/InferenceMode.h>
+#include <c10/util/accumulate.h>
 
+#include <algorithm>
 #include <cstring>
+#include <span>
+#include <utility>
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/log.hpp"
@@ -72,9 +76,30 @@ void BlockBinder::on_file_failed() noexcept {
   rebind_lost_views();
 }
 
+// Note [padding bytes]
+// Each tensor of a packed block starts at an aligned offset (core/layout.hpp): the bytes between
+// them are no tensor's. They are zeroed, never left as the allocator gave them: compressed host
+// copies encode every frozen byte (Note [compressed host copies] in core/host_store.cpp), and
+// their sizes, the decode buffer and the plan must be the same from run to run.
+void BlockBinder::zero_padding(const BlockLayout& layout, std::byte* packed) {
+  std::vector<std::pair<std::size_t, std::size_t>> used; // [begin, end) of each tensor
+  for (const PackedTensor& t : layout.tensors) {
+    const auto elements = static_cast<std::size_t>(c10::multiply_integers(t.sizes));
+    used.emplace_back(t.offset, t.offset + elements * c10::elementSize(t.dtype));
+  }
+  std::sort(used.begin(), used.end());
+  std::size_t at = 0;
+  for (const auto& [begin, end] : used) {
+    if (begin > at) std::memset(packed + at, 0, begin - at);
+    at = std::max(at, end);
+  }
+  if (layout.bytes > at) std::memset(packed + at, 0, layout.bytes - at);
+}
+
 void BlockBinder::pack(Engine& engine, HostCopies copies) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   shared_ = copies != HostCopies::own;
+  engine_ = &engine;
   std::vector<std::shared_ptr<Buffer>> hosts;
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     hosts.push_back(engine.host_buffer(static_cast<int64_t>(b)));
@@ -86,6 +111,7 @@ void BlockBinder::pack(Engine& engine, HostCopies copies) {
     if (copies == HostCopies::shared_filled) continue;
     const TierViews::Fill fill = views_.fill_host_copy(static_cast<int64_t>(b));
     if (fill == TierViews::Fill::nothing) continue;
+    zero_padding(layouts_[b], hosts[b]->data());
     for (const PackedTensor& t : layouts_[b].tensors) {
       if (fill == TierViews::Fill::all_but_frozen && t.role == Role::frozen) continue;
       if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
@@ -145,8 +171,91 @@ bool BlockBinder::caller_changed(int64_t block, std::size_t index) const {
   return variable.data_ptr() != bound.data || variable._version() != bound.version;
 }
 
+// Note [changed compressed weights]
+// A compressed block's frozen tensors have no elements off the device (Note [compressed frozen
+// views] in tier_views.cpp), and no raw host copy exists to write a change into. What the
+// caller changes is still kept exactly where its values can be had:
+// - a tensor rebound to one of its shape and dtype (param.data = new; load_state_dict, which the
+//   Python package binds to the true values first; peft's merges, Note [peft merges]), or
+//   written in place while its block is on the device (its slot holds every value): the block's
+//   frozen bytes are decoded on the host, take the new values, and are encoded again as a whole
+//   (Engine::replace_frozen, Note [changed compressed weights] in core/host_store.cpp), once per
+//   block and move, after every tensor of it was seen;
+// - a write into the tensor with no elements (mul_ under no_grad: it does nothing; copy_ of a
+//   full tensor raises torch's own shape error at once) cannot be: the tensor is bound again to
+//   what it was (its true values, wherever the block is), and one Error names every such
+//   tensor of the block and says what to do. The offloader goes on with the true weights.
+// Returns whether it took the change.
+bool BlockBinder::compressed_change(int64_t block, PackedTensor& t) {
+  if (t.role != Role::frozen || !views_.compressed(block) || engine_ == nullptr) return false;
+  const at::Tensor& now = t.variable;
+  const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
+  if (now.sizes().vec() != t.sizes || now.scalar_type() != t.dtype) {
+    if (bound_[block][index].on_device || now.numel() != 0) return false; // replaced: raised
+    bind(block, index, host_view(block, t), false);
+    views_.dropped_compressed(block, t);
+    return true;
+  }
+  if (changed_block_ != block) {
+    changed_frozen_ = views_.decoded_frozen(block, layouts_[block].trainable_offset);
+    changed_block_ = block;
+  }
+  const at::Tensor values = now.detach().to(at::kCPU).contiguous();
+  std::memcpy(changed_frozen_->data() + t.offset, values.data_ptr(), values.nbytes());
+  return true;
+}
+
+void BlockBinder::encode_changes(int64_t block) {
+  if (changed_block_ != block) return;
+  const std::shared_ptr<Buffer> raw = std::exchange(changed_frozen_, nullptr);
+  changed_block_ = -1;
+  const bool compressed = engine_->replace_frozen(
+      block, std::span<const std::byte>(raw->data(), layouts_[block].trainable_offset));
+  views_.use_compressed(block, engine_->host_buffer(block),
+                        compressed ? engine_->host_frozen_bytes(block) : 0);
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    const PackedTensor& t = layouts_[block].tensors[i];
+    if (t.role == Role::frozen && !bound_[block][i].on_device) {
+      bind(block, i,
+           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                   : host_view(block, t),
+           false);
+    }
+  }
+  // A load of the block made before (the last pass's prefetch) carried the old values: its
+  // next on_ready writes the new ones into its slot.
+  if (std::any_of(bound_[block].begin(), bound_[block].end(),
+                  [](const Binding& b) { return !b.on_device; })) {
+    stale_slot_.resize(layouts_.size());
+    stale_slot_[block] = true;
+  }
+  // The trainable bytes of the packed region moved with the buffer: their tensors off the
+  // device follow them (what on_written_back does).
+  const HostRegion trainable = engine_->host_trainable(block);
+  if (trainable.buffer != trainable_hosts_[block].buffer ||
+      trainable.offset != trainable_hosts_[block].offset) {
+    on_written_back(block, trainable);
+  }
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> BlockBinder::frozen_values(int64_t block) const {
+  std::vector<std::pair<at::Tensor, at::Tensor>> values =
+      views_.frozen_values(block, layouts_[block]);
+  std::erase_if(values, [&](const std::pair<at::Tensor, at::Tensor>& value) {
+    for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+      const PackedTensor& t = layouts_[block].tensors[i];
+      if (t.variable.is_same(value.first)) {
+        return caller_changed(block, i) && t.variable.sizes().vec() == t.sizes;
+      }
+    }
+    return false;
+  });
+  return values;
+}
+
 void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
   const at::Tensor& now = t.variable;
+  if (compressed_change(block, t)) return;
   BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
                   "] tensor '", t.name, "' of block ", block, " was replaced by one of shape ",
                   now.sizes(), " and dtype ", now.scalar_type(), " where the block has ",
@@ -159,11 +268,6 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
-  BLOCKSWAP_CHECK(!views_.compressed(block) || t.role != Role::frozen, "[", label_,
-                  "] frozen tensor '", t.name, "' of block ", block,
-                  " was changed, but its host copy is compressed (Options::compress), with no raw "
-                  "copy to keep the change in: change frozen weights before building the "
-                  "offloader, or turn compress off");
   // Note [changes to the file tier] in tier_views.cpp
   if (views_.read_only(block) && t.role == Role::frozen) {
     const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
@@ -233,6 +337,7 @@ void BlockBinder::save_caller_changes(int64_t block) {
     bound_[block][i].data = t.variable.data_ptr();
     bound_[block][i].version = t.variable._version();
   }
+  encode_changes(block);
   raise_dropped_changes();
 }
 
@@ -243,14 +348,33 @@ void BlockBinder::written_by_blockswap(int64_t block, std::size_t index) {
 void BlockBinder::on_ready(int64_t block, const std::shared_ptr<Buffer>& slot) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   at::NoGradGuard no_grad;
+  if (static_cast<std::size_t>(block) < stale_slot_.size() && stale_slot_[block]) {
+    // Note [changed compressed weights]: the frozen bytes encoded again since its load began.
+    const std::shared_ptr<Buffer> decoded =
+        views_.compressed(block) ? views_.decoded_frozen(block, layouts_[block].trainable_offset)
+                                 : nullptr;
+    for (const PackedTensor& t : layouts_[block].tensors) {
+      if (t.role != Role::frozen) continue;
+      view(slot, t.offset, t, device_)
+          .copy_(decoded ? view(decoded, t.offset, t, at::kCPU) : host_view(block, t));
+    }
+    stale_slot_[block] = false;
+  }
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     PackedTensor& t = layouts_[block].tensors[i];
     const bool changed = caller_changed(block, i);
+    // Note [changed compressed weights]: the tensor holds the values it keeps, if any.
+    const bool compressed = t.role == Role::frozen && views_.compressed(block);
     if (changed) save_changes(block, t);
     const at::Tensor on_slot = view(slot, t.offset, t, device_);
-    if (changed) on_slot.copy_(host_view(block, t)); // the load may have carried older values
+    if (changed && !compressed) {
+      on_slot.copy_(host_view(block, t)); // the load may have carried older values
+    } else if (changed && t.variable.sizes().vec() == t.sizes) {
+      on_slot.copy_(t.variable.detach());
+    }
     bind(block, i, on_slot, true);
   }
+  encode_changes(block);
   raise_dropped_changes();
 }
 
@@ -259,6 +383,7 @@ void BlockBinder::on_evicted(int64_t block) {
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     if (caller_changed(block, i)) save_changes(block, layouts_[block].tensors[i]);
   }
+  encode_changes(block);
   raise_dropped_changes(); // the block stays, its tensors on its slot
   for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
     const PackedTensor& t = layouts_[block].tensors[i];

@@ -71,6 +71,10 @@ public:
   // start: a block that never moves, K = 0, is seen by no move); the tensors hold the file's
   // values again.
   void check_read_only_writes();
+  // Each frozen tensor of compressed block `block` (its variable) with its true values decoded
+  // into host memory of their own (TierViews::frozen_values), but for those the caller changed
+  // since: they hold their values themselves.
+  std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block) const;
   // The host copy of that tensor (where it is now), whatever the tensor is bound to.
   at::Tensor host_copy(int64_t block, std::size_t index) const {
     return host_view(block, layouts_[block].tensors[index]);
@@ -102,6 +106,10 @@ private:
     bool on_device = false;
   };
   bool caller_changed(int64_t block, std::size_t index) const;
+  static void zero_padding(const BlockLayout& layout, std::byte* packed); // Note [padding bytes]
+  // Note [changed compressed weights] in the .cpp.
+  bool compressed_change(int64_t block, PackedTensor& t);
+  void encode_changes(int64_t block);
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
   void save_changes(int64_t block, PackedTensor& t);
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
@@ -114,7 +122,12 @@ private:
   std::vector<HostRegion> trainable_hosts_;
   c10::Device device_;
   bool strict_ = false;
-  bool shared_ = false; // node-shared host copies (pack)
+  bool shared_ = false;      // node-shared host copies (pack)
+  Engine* engine_ = nullptr; // pack()'s
+  // A compressed block's frozen bytes with the caller's changes, before they are encoded again.
+  std::shared_ptr<Buffer> changed_frozen_;
+  int64_t changed_block_ = -1;
+  std::vector<bool> stale_slot_; // [block]: its slot's frozen bytes are older than its host copy
   void raise_dropped_changes();
   void rebind_lost_views() noexcept;
 };

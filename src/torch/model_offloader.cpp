@@ -246,6 +246,17 @@ ModelOffloader::frozen_values(int64_t block_idx) const {
   return impl_->frozen_values(block_idx);
 }
 
+void ModelOffloader::take_changes(int64_t block_idx) {
+  impl_->take_changes(block_idx);
+}
+
+void ModelOffloader::Impl::take_changes(int64_t block) {
+  BLOCKSWAP_CHECK_ARGUMENT(block >= 0 && block < static_cast<int64_t>(binder_.layouts().size()),
+                           "take_changes: block ", block, " out of range");
+  engine_->synchronize(); // no copy reads or writes the block's host copy meanwhile
+  binder_.save_caller_changes(block);
+}
+
 bool ModelOffloader::is_in_file(int64_t block_idx) const {
   return impl_->engine().in_file(block_idx);
 }
@@ -264,7 +275,9 @@ Stats ModelOffloader::stats() const {
 }
 
 CompressionStats ModelOffloader::compression() const {
-  return impl_->engine().compression();
+  CompressionStats stats = impl_->engine().compression();
+  stats.reason = impl_->compression_reason();
+  return stats;
 }
 
 ActivationStats ModelOffloader::activation_stats() const {

@@ -7,6 +7,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "auto_compress.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
@@ -115,6 +116,17 @@ std::shared_ptr<Device> ModelOffloader::Impl::device_for(const Options& options)
 
 void ModelOffloader::Impl::build() {
   EngineOptions engine_options;
+  // Note [automatic compression] in core/compression_choice.cpp: auto is on or off from here.
+  if (options_.compress == Compress::automatic) {
+    const CompressionChoice choice = torch_frontend::choose_compression(
+        options_, binder_.layouts(), device_->backend().can_decode());
+    options_.compress = choice.on ? Compress::on : Compress::off;
+    compression_reason_ = "compress='auto': " + choice.reason;
+    log_line(detail::concat("[", label_, "] compression ", choice.on ? "on" : "off", ": ",
+                            compression_reason_));
+  } else {
+    compression_reason_ = detail::concat("compress='", compress_name(options_.compress), "'");
+  }
   if (!options_.weights_file.empty()) {
     file_ = torch_frontend::locate_weights(options_.weights_file, options_.weights_prefix,
                                            options_.weights_layout, options_.weights_map,

@@ -37,11 +37,15 @@ public:
   const torch_frontend::FineTuner& fine_tuner() const { return fine_tuner_; }
   Engine& engine() { return *engine_; }
   // ModelOffloader::frozen_values: a compressed block's frozen tensors with their true values.
+  // ModelOffloader::take_changes: what the caller wrote into block `block`'s tensors, saved now.
+  void take_changes(int64_t block);
   std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block) {
     BLOCKSWAP_CHECK_ARGUMENT(block >= 0 && block < static_cast<int64_t>(binder_.layouts().size()),
                              "frozen_values: block ", block, " out of range");
-    return binder_.views().frozen_values(block, binder_.layouts()[block]);
+    return binder_.frozen_values(block);
   }
+  // Why compression is on or off (CompressionStats::reason).
+  const std::string& compression_reason() const { return compression_reason_; }
   c10::Device compute_device() const { return torch_device_; }
   const std::shared_ptr<Device>& device() const { return device_; }
   bool offloads_activations() const { return options_.offload_activations; }
@@ -100,6 +104,7 @@ private:
 
   Options options_;
   std::string label_;
+  std::string compression_reason_;
   // Before everything that can fail: a rank that fails tells the node's others (its destructor).
   std::unique_ptr<torch_frontend::NodeShare> share_ =
       options_.node_sharing

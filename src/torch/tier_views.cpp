@@ -35,8 +35,8 @@ TierViews::Fill TierViews::fill_host_copy(int64_t block) {
 // frozen tensors have no elements, as with strict_residency: read them while the block is on
 // the device (inside its forward, or with the offloader disabled), or turn compression off
 // (docs/guide.md). At close, restore_to_host decodes them (decode_host_copy) into host memory
-// of their own, so the module keeps its weights. A caller's change to such a tensor cannot be
-// kept: BlockBinder raises it.
+// of their own, so the module keeps its weights. A caller's change to such a tensor is encoded
+// again, or refused: Note [changed compressed weights] in block_binder.cpp.
 void TierViews::use_compressed(int64_t block, std::shared_ptr<Buffer> host,
                                std::size_t compressed_bytes) {
   const auto b = static_cast<std::size_t>(block);
@@ -122,18 +122,45 @@ void TierViews::dropped(int64_t block, const PackedTensor& t) {
   dropped_.push_back(detail::concat("'", t.name, "' of block ", block));
 }
 
+void TierViews::dropped_compressed(int64_t block, const PackedTensor& t) {
+  dropped_compressed_.push_back(detail::concat("'", t.name, "' of block ", block));
+}
+
+namespace {
+std::string names_of(const std::vector<std::string>& dropped) {
+  std::string names = dropped.front();
+  for (std::size_t i = 1; i < dropped.size() && i < 3; ++i) names += ", " + dropped[i];
+  if (dropped.size() > 3) names += detail::concat(" and ", dropped.size() - 3, " more");
+  return names;
+}
+} // namespace
+
 void TierViews::raise_dropped() {
-  if (dropped_.empty()) return;
-  std::string names = dropped_.front();
-  for (std::size_t i = 1; i < dropped_.size() && i < 3; ++i) names += ", " + dropped_[i];
-  if (dropped_.size() > 3) names += detail::concat(" and ", dropped_.size() - 3, " more");
+  if (!any_dropped()) return;
+  std::string message;
+  if (!dropped_.empty()) {
+    message = detail::concat(
+        "[", label_, "] frozen tensors ", names_of(dropped_),
+        " were changed, but their blocks are read from the model's file for each load (the file "
+        "tier, host_budget_bytes), so the changes cannot be kept: they hold the file's values "
+        "again. Change weights before building the offloader and give the file they are saved "
+        "in, or give the host budget room for these blocks");
+  }
+  if (!dropped_compressed_.empty()) {
+    if (!message.empty()) message += "; and ";
+    message += detail::concat(
+        "[", label_, "] frozen tensors ", names_of(dropped_compressed_),
+        " were written in place while their blocks were off the device, where their frozen "
+        "weights are compressed in host memory (compress) and those tensors have no elements: "
+        "the writes did nothing, and the tensors keep their true values. Write such weights by "
+        "assigning tensors of their shape (param.data = new, load_state_dict(), peft's "
+        "merge_adapter()), or in place while the block is on the device (inside its forward, or "
+        "with swapping disabled), or build the offloader with compress='off' (docs/guide.md, "
+        "\"Compressed weights\")");
+  }
   dropped_.clear();
-  throw Error(detail::concat(
-      "[", label_, "] frozen tensors ", names,
-      " were changed, but their blocks are read from the model's file for each load (the file "
-      "tier, host_budget_bytes), so the changes cannot be kept: they hold the file's values "
-      "again. Change weights before building the offloader and give the file they are saved "
-      "in, or give the host budget room for these blocks"));
+  dropped_compressed_.clear();
+  throw Error(message);
 }
 
 } // namespace blockswap::torch_frontend

@@ -90,7 +90,11 @@ public:
   // Notes that the caller's change to that tensor was dropped: it holds the source's values
   // again.
   void dropped(int64_t block, const PackedTensor& t);
-  bool any_dropped() const { return !dropped_.empty(); }
+  // Notes that the caller wrote a compressed block's frozen tensor while it had no elements
+  // (off the device: Note [changed compressed weights] in block_binder.cpp): the write did
+  // nothing, and the tensor holds its true values again.
+  void dropped_compressed(int64_t block, const PackedTensor& t);
+  bool any_dropped() const { return !dropped_.empty() || !dropped_compressed_.empty(); }
   // Throws the Error that names the changes dropped since the last one, if any, and forgets
   // them.
   void raise_dropped();
@@ -106,6 +110,7 @@ private:
   std::string file_path_;
   bool file_gone_ = false;           // the file shrank: its blocks' views were dropped
   std::vector<std::string> dropped_; // Note [changes to the file tier]
+  std::vector<std::string> dropped_compressed_;
 };
 
 } // namespace blockswap::torch_frontend

@@ -385,6 +385,31 @@ TEST(Plan, SaysWhetherCompressionPays) {
   EXPECT_NE(bad.exit_code, 0);
 }
 
+// With compression each group's decode buffer is on the device beside its slots: the plan with
+// compression fits the budget with them (as the Python planner and the offloaders count them).
+TEST(Plan, CompressionCountsTheDecodeBuffersInTheBudget) {
+  const fs::path flux = scratch() / "flux-decode-buffers.safetensors";
+  write_sparse_model(flux, flux_tensors(), "BF16", 2);
+  for (const std::string mode : {"train", "infer"}) {
+    const Result r = run_tool("plan " + flux.string() + " --budget 12GiB --mode " + mode +
+                              " --link-gbps 4 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const json out = json::parse(r.out);
+    const json& c = out["compression"];
+    uint64_t largest = 0;
+    for (const json& g : out["groups"]) largest += g["block_bytes"].get<uint64_t>();
+    const uint64_t budget = out["budget_bytes"].get<uint64_t>();
+    EXPECT_GE(c["decode_buffer_bytes"].get<uint64_t>(), largest) << mode;
+    EXPECT_LE(c["device_bytes"].get<uint64_t>(), budget) << mode;
+    // Where the raw plan leaves no room for them, the compressed plan is another one.
+    const bool room = out["device_bytes"].get<uint64_t>() + largest <= budget;
+    EXPECT_EQ(c["blocks_to_swap"] == json::array({out["groups"][0]["blocks_to_swap"],
+                                                  out["groups"][1]["blocks_to_swap"]}),
+              room)
+        << mode << r.out;
+  }
+}
+
 TEST(Plan, PredictsTheStepTimeAndTheRotatingSlots) {
   const fs::path flux = scratch() / "flux-predict.safetensors";
   const fs::path wan = scratch() / "wan-predict.safetensors";
@@ -819,11 +844,26 @@ TEST(Run, CompressIsExactAndReportsTheRatioAndTheBytesSaved) {
     EXPECT_EQ(out["swapped"]["compressed_blocks"], 4);
     EXPECT_GT(out["swapped"]["host_bytes_saved"].get<uint64_t>(), 0u);
     EXPECT_GT(out["swapped"]["link_bytes_saved"].get<uint64_t>(), 0u);
+    EXPECT_EQ(out["swapped"]["compression"], "on");
   }
   const Result off = run_tool("run --device cpu --blocks 4 --hidden 64 --heads 2 --tokens 16 "
                               "--steps 1 --json");
   ASSERT_EQ(off.exit_code, 0) << off.err;
   EXPECT_EQ(json::parse(off.out)["swapped"]["compression_ratio"].get<double>(), 1.0);
+  EXPECT_EQ(json::parse(off.out)["swapped"]["compression"], "off");
+  // auto, with host memory to spare and no step time known: off, and says why (Note [automatic
+  // compression]).
+  const Result automatic =
+      run_tool("run --device cpu --blocks 4 --hidden 64 --heads 2 "
+               "--tokens 16 --steps 1 --dtype bfloat16 --compress auto --json");
+  ASSERT_EQ(automatic.exit_code, 0) << automatic.err;
+  const json chosen = json::parse(automatic.out)["swapped"];
+  EXPECT_EQ(chosen["compression"], "off");
+  EXPECT_NE(chosen["compression_reason"].get<std::string>().find("host memory suffices"),
+            std::string::npos)
+      << chosen;
+  EXPECT_NE(automatic.err.find("compression off: compress='auto'"), std::string::npos)
+      << automatic.err;
   const Result bad = run_tool("run --compress yes");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.err.find("--compress"), std::string::npos) << bad.err;

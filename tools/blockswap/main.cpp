@@ -118,7 +118,8 @@ int main(int argc, char** argv) {
       ->add_option("--compress", run.compress,
                    "off, on (the swapped blocks' frozen weights kept losslessly compressed in "
                    "host memory and decoded on the device at each load: exact, fewer bytes) or "
-                   "auto (off for now)")
+                   "auto (on where host memory is short, else off: blockswap plan says when "
+                   "it pays; the choice and its reason are printed)")
       ->check(CLI::IsMember({"off", "on", "auto"}))
       ->capture_default_str();
   run_cmd

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 #include "blockswap/core/planner.hpp"
 #include "blockswap/core/simulator.hpp"
 #include "blockswap/model_io/checkpoint.hpp"
@@ -169,6 +170,49 @@ int plan_command(const PlanArgs& args) {
       }
     }
   }
+  // Compressed weights need a decode buffer on the device beside each group's slots (its
+  // largest block's frozen bytes compressed, at most the raw ones: what the offloaders reserve
+  // and the Python planner counts), so the plan with compression fits the budget less those
+  // buffers, and its step is that plan's.
+  uint64_t decode_bytes = 0;
+  std::optional<ModelPlan> compressed_plan;
+  if (ratio > 1) {
+    for (const BlockGroup& g : layout.groups) {
+      decode_bytes += blockswap::layout::align_up(g.largest_bytes());
+    }
+    if (plan.device_bytes + decode_bytes <= budget) {
+      compressed_plan = plan; // the same blocks swapped: prediction.compressed_seconds is its
+    } else {
+      // The fastest compressed plan that fits beside them, as for the raw plan above.
+      const uint64_t left = budget - std::min(budget, decode_bytes);
+      try {
+        compressed_plan = plan_model(layout, left, mode);
+        double best = predict(*compressed_plan, layout, args, host_budget, activation_bytes, ratio)
+                          .compressed_seconds;
+        if (layout.groups.size() <= 2) {
+          for (const std::vector<int64_t>& ks :
+               budget_frontier(block_lists(layout), left, mode, layout.non_block_bytes)) {
+            ModelPlan candidate = plan_model(layout, left, mode, ks);
+            const double seconds =
+                predict(candidate, layout, args, host_budget, activation_bytes, ratio)
+                    .compressed_seconds;
+            if (seconds < best * (1 - 1e-9)) {
+              best = seconds;
+              compressed_plan = std::move(candidate);
+            }
+          }
+        }
+        prediction.compressed_seconds = best;
+      } catch (const Error&) {
+        compressed_plan.reset(); // nothing fits beside the decode buffers
+      }
+    }
+  }
+  const std::string verdict =
+      ratio <= 1 ? std::string("changes nothing")
+      : compressed_plan
+          ? compression_verdict(prediction.step_seconds, prediction.compressed_seconds)
+          : std::string("does not fit the budget beside its decode buffers");
   const double overhead = prediction.step_seconds / prediction.noswap_seconds - 1;
   // Device memory for saved activations: every block's without offloading; with it, the last
   // block's (never offloaded) and the one coming back under it (Note [offloaded activations] in
@@ -237,9 +281,14 @@ int plan_command(const PlanArgs& args) {
                           {"decode_gbps", args.decode_gbps},
                           {"predicted_step_seconds",
                            ratio > 1 ? prediction.compressed_seconds : prediction.step_seconds},
-                          {"verdict", ratio > 1 ? compression_verdict(prediction.step_seconds,
-                                                                      prediction.compressed_seconds)
-                                                : std::string("changes nothing")}};
+                          {"verdict", verdict},
+                          {"decode_buffer_bytes", decode_bytes}};
+    if (compressed_plan) {
+      nlohmann::json ks = nlohmann::json::array();
+      for (const GroupPlan& g : compressed_plan->groups) ks.push_back(g.blocks_to_swap);
+      out["compression"]["blocks_to_swap"] = ks;
+      out["compression"]["device_bytes"] = compressed_plan->device_bytes + decode_bytes;
+    }
     std::cout << out.dump(2) << '\n';
     return 0;
   }
@@ -299,12 +348,13 @@ int plan_command(const PlanArgs& args) {
                 prediction.offloaded_activations_seconds, prediction.step_seconds);
   }
   if (ratio > 1) {
-    std::printf(
-        "\ncompressed weights (Options::compress; ratio %.2f %s, decode %g GB/s): %.4g s "
-        "against %.4g s: it %s\n",
-        ratio, args.compress_ratio > 0 ? "given" : "modelled from the checkpoint's dtypes",
-        args.decode_gbps, prediction.compressed_seconds, prediction.step_seconds,
-        compression_verdict(prediction.step_seconds, prediction.compressed_seconds).c_str());
+    std::printf("\ncompressed weights (Options::compress; ratio %.2f %s, decode %g GB/s; decode "
+                "buffers %s on the device, %s in all): %.4g s against %.4g s: it %s\n",
+                ratio, args.compress_ratio > 0 ? "given" : "modelled from the checkpoint's dtypes",
+                args.decode_gbps, format_bytes(decode_bytes).c_str(),
+                compressed_plan ? format_bytes(compressed_plan->device_bytes + decode_bytes).c_str()
+                                : "over the budget",
+                prediction.compressed_seconds, prediction.step_seconds, verdict.c_str());
   }
   if (mode == Mode::forward_only) {
     std::printf("rotating slots (Options::rotating_slots):");

@@ -256,6 +256,8 @@ int run_command(const RunArgs& args) {
           {"pinned_per_kept", host.pinned_per_kept()},
           {"predicted_step_seconds", predicted},
           {"compress", args.compress},
+          {"compression", compression.on ? "on" : "off"}, // what auto chose
+          {"compression_reason", compression.reason},
           {"compression_ratio", compression.ratio()},
           {"compressed_blocks", compression.blocks},
           {"host_bytes_saved", compression.raw_bytes - compression.compressed_bytes},
@@ -315,7 +317,7 @@ int run_command(const RunArgs& args) {
                   format_bytes((stats.decoded_bytes - stats.compressed_bytes) / steps).c_str());
     } else if (args.compress != "off") {
       std::printf("compressed weights: none (%s)\n",
-                  args.compress == "auto" ? "auto is off for now" : "no block shrank");
+                  compression.on ? "no block shrank" : compression.reason.c_str());
     }
     std::printf("largest difference between the two results: %g%s\n", diff,
                 diff == 0 ? " (identical)" : "  <-- MISMATCH");

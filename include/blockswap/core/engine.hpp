@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -80,7 +81,8 @@ struct EngineOptions {
   // pinned host memory of the engine's own are stored losslessly compressed (core/codec.hpp)
   // from compress() (or the first prepare()) on, once the caller has filled them, and decoded on
   // the device at each load; a block that does not shrink stays raw. The backend must decode
-  // (Backend::can_decode). automatic: off for now (the planner does not yet say when it pays).
+  // (Backend::can_decode). automatic: off here; whoever builds the engine chooses on or off
+  // (core/compression_choice.hpp; the LibTorch front end does for compress = auto).
   Compress compress = Compress::off;
   // With compress on: per block, where its frozen bytes hold floating-point values (offsets in
   // its packed bytes, inside its frozen bytes); bytes outside every range are stored raw.
@@ -98,6 +100,9 @@ struct CompressionStats {
   uint64_t raw_bytes = 0;              // their frozen bytes
   uint64_t compressed_bytes = 0;       // the same, compressed
   std::size_t decode_buffer_bytes = 0; // device memory the decode step holds
+  bool on = false; // compression on: EngineOptions::compress, or what auto chose
+  // Why it is on or off: as asked, or compress = auto's reason (core/compression_choice.hpp).
+  std::string reason = {};
   // raw / compressed over the compressed blocks (1 with none).
   double ratio() const {
     return compressed_bytes == 0 ? 1.0 : double(raw_bytes) / double(compressed_bytes);
@@ -119,15 +124,18 @@ struct Stats {
   // Time computation waited for loads: measured on the device where the backend times its
   // events (CUDA, the timed device), else the time the host spent blocked.
   double stall_seconds = 0;
-  uint64_t device_bytes = 0; // slot memory allocated now
+  // Device memory the engine holds now: its slots, and the decode buffer (EngineOptions::compress,
+  // CompressionStats::decode_buffer_bytes).
+  uint64_t device_bytes = 0;
   uint64_t peak_device_bytes = 0;
 };
 
 // Told when a block becomes ready on the device and when it leaves it. Called with the
-// engine's lock held: it must not call back into the engine. `slot` is the device memory the
-// block's weights occupy; sharing it keeps that memory alive after the engine has let it go
-// (Note [slot lifetime] in engine.cpp). on_evicted runs before the slot can be overwritten:
-// it may read the slot (e.g. to save weights changed there); if it throws, the block stays.
+// engine's lock held: it must not call back into the engine, but for replace_frozen. `slot` is the
+// device memory the block's weights occupy; sharing it keeps that memory alive after the engine has
+// let it go (Note [slot lifetime] in engine.cpp). on_evicted runs before the slot can be
+// overwritten: it may read the slot (e.g. to save weights changed there); if it throws, the block
+// stays.
 class ResidencyListener {
 public:
   virtual ~ResidencyListener() = default;
@@ -198,6 +206,12 @@ public:
   // at the start of its host copy (compressed or not).
   bool compressed(int64_t block) const;
   std::size_t host_frozen_bytes(int64_t block) const;
+  // Note [changed compressed weights] in host_store.cpp: a compressed block's frozen bytes become
+  // `raw` (all of them, decoded, with the caller's changes), stored compressed again, or raw
+  // where they no longer shrink or no longer fit the decode buffer; returns whether they are
+  // compressed. Waits for the copies that read or write the block's host copy. Its
+  // host_buffer and host_trainable change; a ResidencyListener may call it.
+  bool replace_frozen(int64_t block, std::span<const std::byte> raw);
   CompressionStats compression() const;
   // Host bytes the engine's copies of the blocks hold now (their buffers and spares).
   std::size_t host_bytes() const;

@@ -83,6 +83,13 @@ public:
   // frozen bytes take `compressed_bytes` (a model of what codec::encode gives), and parsed()
   // states only their decoded size. Returns whether it did (they are fewer than the raw ones).
   bool model_compressed(int64_t block, std::size_t compressed_bytes);
+  // Note [changed compressed weights] in host_store.cpp: a compressed block's frozen bytes
+  // replaced by `raw` (all of them), compressed again when they shrink to at most `most` bytes,
+  // else stored raw (no longer compressed()); a new buffer, with the trainable bytes of the
+  // packed region carried over. Returns whether they are compressed. The caller has waited for
+  // every copy that reads or writes the old buffer (a pending write-back's included).
+  bool replace_frozen(int64_t block, std::span<const std::byte> raw,
+                      std::span<const codec::Range> ranges, std::size_t most);
   bool compressed(int64_t block) const { return blocks_[block].parsed != nullptr; }
   // The structure of block i's compressed frozen bytes (only when compressed()).
   const codec::Parsed& parsed(int64_t block) const { return *blocks_[block].parsed; }

@@ -123,6 +123,11 @@ public:
   // whatever must read every weight (a state_dict, a copy of the model): Note [compressed
   // frozen views] in src/torch/tier_views.cpp. Throws Error where the bytes are damaged.
   std::vector<std::pair<at::Tensor, at::Tensor>> frozen_values(int64_t block_idx) const;
+  // Saves now what the caller wrote into block i's tensors since blockswap bound them, which its
+  // next move would save: a compressed block's changed frozen weights are encoded again and its
+  // tensors off the device have no elements again (Note [changed compressed weights] in
+  // src/torch/block_binder.cpp). Throws Error for a change that cannot be kept (it is dropped).
+  void take_changes(int64_t block_idx);
   // Whether block i is read from Options::weights_file for each load (the file tier).
   bool is_in_file(int64_t block_idx) const;
   // Blocks the host until every copy enqueued so far has completed (not the computations).

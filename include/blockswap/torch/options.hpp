@@ -148,9 +148,11 @@ struct Options {
   // weights in host memory losslessly compressed (bfloat16, float16, float32, float8 tensors; a
   // block that does not shrink stays raw) and decodes them on the device at each load: exact,
   // less host memory, fewer bytes over the link. Off the device their frozen tensors have no
-  // elements, as with strict_residency (close() gives them their values back). automatic: off
-  // for now (the planner does not yet say when it pays). Blocks in the file tier stay raw; not
-  // with node_sharing nor the seed's replay.
+  // elements, as with strict_residency (close() gives them their values back); frozen weights
+  // the caller changes between passes are encoded again (Note [changed compressed weights] in
+  // src/torch/block_binder.cpp). automatic: on or off for this offloader as compression pays
+  // (Note [automatic compression] in core/compression_choice.cpp); compression() says which and
+  // why. Blocks in the file tier stay raw; not with node_sharing nor the seed's replay.
   Compress compress = Compress::off;
   // A device shared with other offloaders (a model's other block lists): one copy stream, one
   // memory account, one budget (open_device below). When set, the device is this one: leave
