@@ -155,7 +155,9 @@ class StateDictHook(_Hook):
                 value = state_dict.get(key)
                 if (id(p) in decoded and value is not None
                         and not isinstance(value, _torch.nn.Parameter)):
-                    state_dict[key] = decoded[id(p)]
+                    copy = decoded[id(p)]
+                    state_dict[key] = copy
+                    offloader._handed.append((_weakref.ref(copy), copy._version, owner, name, p))
             return None
         if not offloader.forward_only or not offloader._impl.is_resident(self._index):
             return None
@@ -168,6 +170,25 @@ class StateDictHook(_Hook):
                     and owner._parameters.get(name) is p and not p.requires_grad):
                 state_dict[key] = value.to("cpu", copy=True)
         return None
+
+
+def take_state_dict_writes(offloader):
+    """Note [writes into a state dict of compressed blocks]
+    A state_dict() of a model whose frozen weights are compressed holds, for the blocks off the
+    device, copies of their true values (StateDictHook), not views of the weights as without
+    compression: a write into such an entry (``sd[k].copy_(ema[k])``, ``sd[k].mul_(0.5)``)
+    would be lost. So each copy handed out is remembered with autograd's version counter, which
+    every in-place write bumps, and at the next pass's start (and at close()) a copy written
+    since is taken as the weight's new value: its Parameter is given those values (param.data =
+    ..., which the offloader keeps exactly, Note [changed compressed weights] in
+    src/torch/block_binder.cpp). The copies no longer referenced are forgotten."""
+    handed, offloader._handed = offloader._handed, []
+    for ref, version, owner, name, p in handed:
+        copy = ref()
+        if copy is None or copy._version == version or owner._parameters.get(name) is not p:
+            continue
+        with _torch.no_grad():
+            p.data = copy.detach().clone()
 
 
 class FrozenState:
@@ -227,7 +248,8 @@ class LoadStateHook(_Hook):
     takes the changes at once (ModelOffloader::take_changes: the block's frozen bytes are
     encoded again, Note [changed compressed weights] in src/torch/block_binder.cpp), so that
     the decoded values do not stay in host memory. ``assign=True`` replaces the Parameters
-    instead: blockswap takes those at the next pass (Note [the model as it runs])."""
+    instead (blockswap takes those at the next pass, Note [the model as it runs]), after the
+    same check of their shapes: the tensors are bound to their true values for it too."""
     __slots__ = ("_pre",)
 
     def __init__(self, offloader, block, index, pre):
@@ -241,9 +263,7 @@ class LoadStateHook(_Hook):
         if not self._pre:
             offloader._impl.take_changes(self._index)
             return None
-        state_dict, prefix, local_metadata = args[0], args[1], args[2]
-        if local_metadata.get("assign_to_params_buffers"):
-            return None
+        state_dict, prefix = args[0], args[1]
         decoded = {id(var): value for var, value in offloader._impl.frozen_values(self._index)}
         if not decoded:
             return None

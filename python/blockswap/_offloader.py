@@ -229,6 +229,7 @@ class ModelOffloader:
         self._merge_originals = {}  # Note [peft merges]
         self._merge_adapters = {}
         self._submitted = set()  # blocks submitted since the last prepare (for its message)
+        self._handed = []  # Note [writes into a state dict of compressed blocks] (_hooks.py)
         self._next_block = 0  # hook_blocks: the block expected next (skipped blocks)
         self._closed = False
         self._swap_disabled = False  # disable_block_swap() (kept when built again)
@@ -652,6 +653,7 @@ class ModelOffloader:
         """Builds the offloader again over the model as it is now, if it changed since packing
         (Note [the model as it runs]); True if it did."""
         self._refuse_fullgraph(self.blocks)
+        _hooks.take_state_dict_writes(self)
         changed = self._model_changed()
         if changed is None:
             return False
@@ -853,6 +855,8 @@ class ModelOffloader:
     def close(self):
         """Waits for copies in flight, leaves every weight an ordinary host tensor with its
         values, removes the hooks and writes the trace. Safe to call twice."""
+        if self._impl is not None:
+            _hooks.take_state_dict_writes(self)
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -212,6 +212,15 @@ def test_writes_into_compressed_weights_off_the_device_raise_and_the_model_runs_
         with torch.no_grad():
             weight.copy_(torch.ones(3, 4, dtype=torch.bfloat16))
     assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    # Values computed from the tensor with no elements (an outside tester's find: it was taken
+    # as no change, silently): the same error, then the true weights.
+    weight = next(p for n, p in evicted_block(model, offloaders).named_parameters()
+                  if n.endswith("weight") and not p.requires_grad)
+    assert weight.numel() == 0
+    weight.data = weight.data * 0.5
+    with pytest.raises(blockswap.Error, match=r"given values computed from them"):
+        infer(model, "flux", offloaders, dtype=torch.bfloat16)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
     for o in offloaders:
         o.close()
 
@@ -244,8 +253,39 @@ def test_assigned_compressed_weights_are_encoded_again_exactly(supports_backward
         assert torch.equal(value, truth[key]), key
 
 
-@pytest.mark.parametrize("strict", [True, False])
-def test_load_state_dict_while_compressed_loads_every_block(strict):
+@pytest.mark.parametrize("supports_backward", [False, True])
+def test_writes_into_a_state_dict_of_compressed_blocks_are_the_weights(supports_backward):
+    """Note [writes into a state dict of compressed blocks]: a state dict's entries of blocks
+    off the device are copies of their true values; written in place (an EMA loaded into the
+    model through its state dict, a weight scaled there), they are the weights from the next
+    pass on, as the views a state dict holds without compression are (an outside tester found
+    such writes lost)."""
+    reference, model = build("flux", dtype=torch.bfloat16), build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=supports_backward, compress=True)
+    infer(model, "flux", offloaders, dtype=torch.bfloat16)
+    index = list(model.transformer_blocks).index(evicted_block(model, offloaders))
+    prefix = f"transformer_blocks.{index}."
+    sd, truth = model.state_dict(), reference.state_dict()
+    keys = [k for k in sd if k.startswith(prefix) and k.endswith("weight") and sd[k].dim() == 2
+            and "lora" not in k]
+    assert keys and all(sd[k].numel() > 0 for k in keys)
+    with torch.no_grad():
+        sd[keys[0]].mul_(0.5)
+        truth[keys[0]].mul_(0.5)
+        sd[keys[1]].copy_(truth[keys[1]] + 1)
+        truth[keys[1]].add_(1)
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert compressed_blocks(offloaders) > 0
+    for o in offloaders:
+        o.close()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, truth[key]), key
+
+
+@pytest.mark.parametrize("strict,assign", [(True, False), (False, False), (True, True)])
+def test_load_state_dict_while_compressed_loads_every_block(strict, assign):
     """Note [loading compressed blocks]: model.load_state_dict(checkpoint) while offloaded with
     compression loads the frozen weights of the blocks off the device too, exactly, and they
     are compressed again."""
@@ -255,9 +295,10 @@ def test_load_state_dict_while_compressed_loads_every_block(strict):
     offloaders = swap(model, "flux", 2, supports_backward=False, compress=True)
     infer(model, "flux", offloaders, dtype=torch.bfloat16)
     blocks = compressed_blocks(offloaders)
-    model.load_state_dict(checkpoint.state_dict(), strict=strict)
-    assert any(p.numel() == 0 for p in model.transformer_blocks.parameters())  # compressed again
-    assert compressed_blocks(offloaders) == blocks
+    model.load_state_dict(checkpoint.state_dict(), strict=strict, assign=assign)
+    if not assign:  # assign=True: the new Parameters are taken at the next pass
+        assert any(p.numel() == 0 for p in model.transformer_blocks.parameters())
+        assert compressed_blocks(offloaders) == blocks
     for _ in range(2):
         assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
     truth = checkpoint.state_dict()

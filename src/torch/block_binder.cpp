@@ -47,7 +47,7 @@ void BlockBinder::bind(int64_t block, std::size_t index, const at::Tensor& data,
   if (device_.is_cpu() && bound.on_device != on_device && t.variable.requires_grad()) {
     compat::forget_grad_accumulator(t.variable);
   }
-  bound = Binding{t.variable.data_ptr(), t.variable._version(), on_device};
+  bound = Binding{t.variable.data_ptr(), storage_of(t.variable), t.variable._version(), on_device};
   if (t.role == Role::trainable && rebound_hook) rebound_hook(block, index);
 }
 
@@ -168,7 +168,8 @@ void BlockBinder::use_compressed_copies(const Engine& engine) {
 bool BlockBinder::caller_changed(int64_t block, std::size_t index) const {
   const at::Tensor& variable = layouts_[block].tensors[index].variable;
   const Binding& bound = bound_[block][index];
-  return variable.data_ptr() != bound.data || variable._version() != bound.version;
+  return variable.data_ptr() != bound.data || storage_of(variable) != bound.storage ||
+         variable._version() != bound.version;
 }
 
 // Note [changed compressed weights]
@@ -274,6 +275,7 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
     Binding& bound = bound_[block][index];
     if (views_.matches_source(block, t, now)) {
       bound.data = now.data_ptr(); // the file's values again (a checkpoint resumed): kept
+      bound.storage = storage_of(now);
       bound.version = now._version();
       return;
     }
@@ -335,6 +337,7 @@ void BlockBinder::save_caller_changes(int64_t block) {
     PackedTensor& t = layouts_[block].tensors[i];
     save_changes(block, t);
     bound_[block][i].data = t.variable.data_ptr();
+    bound_[block][i].storage = storage_of(t.variable);
     bound_[block][i].version = t.variable._version();
   }
   encode_changes(block);

@@ -102,9 +102,15 @@ private:
   // in the .cpp), and whether that is a slot (Note [device change]).
   struct Binding {
     const void* data = nullptr;
+    // The tensor's storage: a tensor with no elements (a compressed block's frozen tensor off
+    // the device) has no data address, so only this tells it rebound (p.data = p.data * 2).
+    const void* storage = nullptr;
     int64_t version = 0;
     bool on_device = false;
   };
+  static const void* storage_of(const at::Tensor& t) {
+    return t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+  }
   bool caller_changed(int64_t block, std::size_t index) const;
   static void zero_padding(const BlockLayout& layout, std::byte* packed); // Note [padding bytes]
   // Note [changed compressed weights] in the .cpp.

@@ -150,10 +150,12 @@ void TierViews::raise_dropped() {
     if (!message.empty()) message += "; and ";
     message += detail::concat(
         "[", label_, "] frozen tensors ", names_of(dropped_compressed_),
-        " were written in place while their blocks were off the device, where their frozen "
-        "weights are compressed in host memory (compress) and those tensors have no elements: "
-        "the writes did nothing, and the tensors keep their true values. Write such weights by "
-        "assigning tensors of their shape (param.data = new, load_state_dict(), peft's "
+        " were written in place while their blocks were off the device, or given values "
+        "computed from them there (param.data = param.data * 2), where their frozen weights "
+        "are compressed in host memory (compress) and those tensors have no elements: the "
+        "writes did nothing, and the tensors keep their true values. Write such weights by "
+        "assigning tensors of their shape (computed from the true values state_dict() gives) "
+        "(param.data = new, load_state_dict(), peft's "
         "merge_adapter()), or in place while the block is on the device (inside its forward, or "
         "with swapping disabled), or build the offloader with compress='off' (docs/guide.md, "
         "\"Compressed weights\")");
