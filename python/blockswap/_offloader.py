@@ -784,7 +784,7 @@ class ModelOffloader:
         """With ``compress="on"``: the blocks whose frozen weights are stored compressed
         (``blocks``), those weights' bytes raw and compressed (``raw_bytes``,
         ``compressed_bytes``: the host memory saved is the difference), ``ratio`` (1.0 with
-        none) and the device bytes of the decode buffer (``decode_buffer_bytes``)."""
+        none) and the device bytes of the two decode buffers (``decode_buffer_bytes``)."""
         if self._impl is None:
             return {"blocks": 0, "raw_bytes": 0, "compressed_bytes": 0, "ratio": 1.0,
                     "decode_buffer_bytes": 0}

@@ -126,6 +126,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   }
   for (BlockState& block : blocks_) block.loaded = backend_->make_event();
   copies_done_ = backend_->make_event();
+  decodes_done_ = backend_->make_event();
   if (options_.slots_at_construction) ensure_slots(current().slots());
   loads_.plan(current());
   if (options_.trace) {

@@ -60,14 +60,28 @@ void poison_bytes(std::byte* data, std::size_t bytes) {
 
 } // namespace
 
+// Note [the emulated decode stream]
+// The copy stream and the decode stream are a thread each, with a queue of its own, so that a
+// load's decode runs beside the next load's copy as on a GPU, and a missing wait between them
+// shows (EmulatedDeviceOptions::decode_gbps makes the decode slow enough to see). A failed
+// task's error waits for the next record on its own stream. A wait of the decode stream for an
+// event that carries an error takes that error on: the decode of bytes whose copy failed fails
+// too, and the decode is skipped (its output keeps what it had: the load's event raises).
 struct EmulatedDevice::State {
+  struct Lane {
+    std::deque<Task> queue;
+    std::exception_ptr pending_error; // a failed task, waiting for the next record
+    std::thread thread;
+  };
+  static constexpr int kCopy = 0, kDecode = 1;
+  static int lane(Stream stream) { return stream == Stream::decode ? kDecode : kCopy; }
+
   EmulatedDeviceOptions options;
 
   mutable std::mutex mutex;
-  std::condition_variable changed; // queue grew, a mark completed, or stopping
-  std::deque<Task> queue;
+  std::condition_variable changed; // a queue grew, a mark completed, or stopping
+  Lane lanes[2];                   // the copy stream, the decode stream
   bool stopping = false;
-  std::exception_ptr pending_error; // a failed copy, waiting for the next record
   std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
   std::size_t failure_copies_bytes = 0; // how much of the failing copy happens first
   std::size_t copies_until_throw = std::numeric_limits<std::size_t>::max();
@@ -86,9 +100,7 @@ struct EmulatedDevice::State {
 
   host::DeviceAccount account; // capacity set by the constructor
 
-  std::thread thread;
-
-  void enqueue(Task task) {
+  void enqueue(Task task, int on = kCopy) {
     {
       std::lock_guard lock(mutex);
       if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) {
@@ -96,37 +108,42 @@ struct EmulatedDevice::State {
         task.fail_after = failure_copies_bytes;
       }
       if (task.kind == Task::Kind::copy && copies_until_throw-- == 0) task.throws = true;
-      queue.push_back(std::move(task));
+      lanes[on].queue.push_back(std::move(task));
     }
     changed.notify_all();
   }
 
-  void run() {
+  void run(int on) {
+    Lane& lane = lanes[on];
     std::unique_lock lock(mutex);
     for (;;) {
-      changed.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (queue.empty()) return; // stopping, and everything enqueued is done
-      Task task = std::move(queue.front());
-      queue.pop_front();
+      changed.wait(lock, [&] { return stopping || !lane.queue.empty(); });
+      if (lane.queue.empty()) return; // stopping, and everything enqueued is done
+      Task task = std::move(lane.queue.front());
+      lane.queue.pop_front();
       try {
-        execute(task, lock);
+        execute(task, lane, lock);
       } catch (...) {
-        // Whatever a task throws goes to the next waiter, as a failed copy does; the copy
-        // stream carries on.
+        // Whatever a task throws goes to the next waiter, as a failed copy does; the stream
+        // carries on.
         if (!lock.owns_lock()) lock.lock();
-        pending_error = std::current_exception();
+        lane.pending_error = std::current_exception();
       }
     }
   }
 
   // Runs one task; `lock` is held on entry and on a normal return.
-  void execute(Task& task, std::unique_lock<std::mutex>& lock) {
+  void execute(Task& task, Lane& lane, std::unique_lock<std::mutex>& lock) {
     switch (task.kind) {
     case Task::Kind::wait:
       changed.wait(lock, [&] { return task.mark->done; });
+      // Note [the emulated decode stream]: a decode after a failed copy fails.
+      if (&lane == &lanes[kDecode] && task.mark->error && !lane.pending_error) {
+        lane.pending_error = task.mark->error;
+      }
       break;
     case Task::Kind::record:
-      task.mark->error = std::exchange(pending_error, nullptr);
+      task.mark->error = std::exchange(lane.pending_error, nullptr);
       task.mark->done = true;
       changed.notify_all();
       break;
@@ -135,12 +152,18 @@ struct EmulatedDevice::State {
       task.until();
       lock.lock();
       break;
-    case Task::Kind::decode:
+    case Task::Kind::decode: {
+      if (lane.pending_error) break; // its bytes' copy failed
       lock.unlock(); // a damaged block throws: run() makes it the next waiter's error
+      if (options.decode_gbps > 0) { // slow: the slot keeps its old bytes meanwhile
+        std::this_thread::sleep_for(
+            std::chrono::duration<double>(task.decoded / (options.decode_gbps * 1e9)));
+      }
       codec::decode(std::span<const std::byte>(task.src, task.bytes),
                     std::span<std::byte>(task.dst, task.decoded));
       lock.lock();
       break;
+    }
     case Task::Kind::poison:
       lock.unlock();
       poison_bytes(task.dst, task.bytes);
@@ -151,7 +174,7 @@ struct EmulatedDevice::State {
         lock.unlock();
         std::memcpy(task.dst, task.src, std::min(task.fail_after, task.bytes));
         lock.lock();
-        pending_error = std::make_exception_ptr(Error(
+        lane.pending_error = std::make_exception_ptr(Error(
             detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
         break;
       }
@@ -203,9 +226,13 @@ struct EmulatedDevice::State {
 EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : state_(std::make_shared<State>()) {
   BLOCKSWAP_CHECK(options.link_gbps >= 0, "emulated device: link_gbps must be >= 0, got ",
                   options.link_gbps);
+  BLOCKSWAP_CHECK(options.decode_gbps >= 0, "emulated device: decode_gbps must be >= 0, got ",
+                  options.decode_gbps);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
-  state_->thread = std::thread([state = state_.get()] { state->run(); });
+  for (int on : {State::kCopy, State::kDecode}) {
+    state_->lanes[on].thread = std::thread([state = state_.get(), on] { state->run(on); });
+  }
 }
 
 EmulatedDevice::~EmulatedDevice() {
@@ -214,7 +241,7 @@ EmulatedDevice::~EmulatedDevice() {
     state_->stopping = true;
   }
   state_->changed.notify_all();
-  state_->thread.join();
+  for (State::Lane& lane : state_->lanes) lane.thread.join();
 }
 
 std::string EmulatedDevice::name() const {
@@ -323,7 +350,7 @@ void EmulatedDevice::decode(std::byte* out, const std::byte* compressed, std::si
   task.bytes = bytes;
   task.tag = tag;
   task.decoded = parsed.decoded_bytes;
-  state_->enqueue(std::move(task));
+  state_->enqueue(std::move(task), State::kDecode);
 }
 
 bool EmulatedDevice::can_decode() const {
@@ -352,7 +379,8 @@ void EmulatedDevice::record(Event& event, Stream stream) {
     return;
   }
   emulated->mark = std::make_shared<Mark>();
-  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, emulated->mark, false});
+  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, emulated->mark, false},
+                  State::lane(stream));
 }
 
 void EmulatedDevice::wait(Stream stream, const Event& event) {
@@ -362,7 +390,8 @@ void EmulatedDevice::wait(Stream stream, const Event& event) {
   }
   const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
   BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
-  state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false});
+  state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false},
+                  State::lane(stream));
 }
 
 void EmulatedDevice::wait_host(Stream stream, std::function<void()> until) {
@@ -373,7 +402,7 @@ void EmulatedDevice::wait_host(Stream stream, std::function<void()> until) {
   Task task;
   task.kind = Task::Kind::host;
   task.until = std::move(until);
-  state_->enqueue(std::move(task));
+  state_->enqueue(std::move(task), State::lane(stream));
 }
 
 void EmulatedDevice::synchronize(const Event& event) {
