@@ -797,7 +797,7 @@ class ModelOffloader:
         """With ``compress="on"``: the blocks whose frozen weights are stored compressed
         (``blocks``), those weights' bytes raw and compressed (``raw_bytes``,
         ``compressed_bytes``: the host memory saved is the difference), ``ratio`` (1.0 with
-        none), the device bytes of the decode buffer (``decode_buffer_bytes``), whether
+        none), the device bytes of the two decode buffers (``decode_buffer_bytes``), whether
         compression is on (``on``: with ``compress="auto"``, what it chose) and why
         (``reason``)."""
         if self._impl is None:

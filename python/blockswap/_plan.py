@@ -110,7 +110,7 @@ class OffloadPlan:
         self.training = training
         self.lists = lists
         self.fixed_bytes = fixed_bytes  # weights that never move: on the device all along
-        self.decode_buffers = False  # compress="on": fixed_bytes holds each list's decode buffer
+        self.decode_buffers = False  # compress="on": fixed_bytes holds each list's decode buffers
         self.decode_buffer_bytes = 0  # those buffers' bytes, which the offloaders allocate
         self.smallest_budget_bytes = smallest_bytes
         self.placed = placed  # components placed whole on the device (a pipeline's VAE)
@@ -126,7 +126,7 @@ class OffloadPlan:
                  f"(the smallest that fits: {gib(self.smallest_budget_bytes)})",
                  f"  {'on the device':<{width}}  {gib(self.fixed_bytes)}: everything outside "
                  "the block lists, and the lists' trainable parameters and buffers"
-                 + ("; with compress='on', each list's decode buffer" if self.decode_buffers
+                 + ("; with compress='on', each list's two decode buffers" if self.decode_buffers
                     else "")
                  + (f"; placed whole: {', '.join(self.placed)}" if self.placed else "")]
         for x in self.lists:
@@ -215,8 +215,9 @@ def _aligned(nbytes):
 def plan(target, device_budget, device, training, blocks_to_swap, block_lists,
          decode_buffers=False):
     """The OffloadPlan (changes nothing). The tensors may be on the meta device.
-    ``decode_buffers``: compressed weights (compress="on"): each list's decode buffer, at most its
-    largest block's bytes, stays on the device beside the slots (counted in ``fixed``)."""
+    ``decode_buffers``: compressed weights (compress="on"): each list's two decode buffers (Note
+    [a decode step] in load_pipeline.cpp), each at most its largest block's bytes, stay on the
+    device beside the slots (counted in ``fixed``)."""
     components = _components(target)
     budget = None if device_budget is None else parse_bytes("device_budget", device_budget)
     chosen = _distinct(_chosen_lists(components, block_lists), block_lists is not None)
@@ -248,7 +249,8 @@ def plan(target, device_budget, device, training, blocks_to_swap, block_lists,
                 seen.add(id(t))
                 fixed += _bytes(t)
     sizes = [x.block_bytes for x in lists]
-    decode_buffer_bytes = sum(_aligned(max(x, default=0)) for x in sizes) if decode_buffers else 0
+    decode_buffer_bytes = (sum(2 * _aligned(max(x, default=0)) for x in sizes)
+                           if decode_buffers else 0)
     fixed += decode_buffer_bytes
     if not any(any(x) for x in sizes):
         raise InvalidArgumentError(

@@ -110,7 +110,8 @@ def test_full_fine_tuning_is_bitwise(step_on, compress):
 def test_the_one_line_takes_compress_too():
     reference, model = build("flux", dtype=torch.bfloat16), build("flux", dtype=torch.bfloat16)
     expected = infer(reference, "flux", dtype=torch.bfloat16)
-    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 2 // 3
+    # Less than the model, more than the smallest that fits with each list's two decode buffers.
+    budget = sum(p.numel() * p.element_size() for p in model.parameters()) * 17 // 20
     with blockswap.offload(model, device_budget=budget, device="cpu",
                            compress="on") as handle:
         got = infer(model, "flux", dtype=torch.bfloat16)

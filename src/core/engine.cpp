@@ -126,6 +126,7 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
   }
   for (BlockState& block : blocks_) block.loaded = backend_->make_event();
   copies_done_ = backend_->make_event();
+  decodes_done_ = backend_->make_event();
   if (options_.slots_at_construction) ensure_slots(current().slots());
   loads_.plan(current());
   if (options_.trace) {
@@ -247,7 +248,7 @@ bool Engine::replace_frozen(int64_t block, std::span<const std::byte> raw) {
     impl_->copy_failed(std::current_exception());
   }
   return store.replace_frozen(block, raw, impl_->options_.frozen_ranges[block],
-                              impl_->loads_.decode_buffer_bytes());
+                              impl_->loads_.decode_capacity());
 }
 
 CompressionStats Engine::compression() const {

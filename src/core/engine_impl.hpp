@@ -37,7 +37,7 @@ struct Engine::Impl {
     bool dirty = false;              // changed on the device since its last write-back
     bool evicted_by_forward = false; // the training schedule's forward evicts it
     bool forwarded = false;          // computed since prepare(), outside a recompute pass
-    std::unique_ptr<Event> loaded;   // recorded on the copy stream after its load
+    std::unique_ptr<Event> loaded;   // recorded where its load ends (LoadPipeline::copy_into)
     int64_t replaced = -1;           // for debug lines: the block its load evicted
     Clock::time_point submitted;
     const Buffer* computed_in = nullptr; // the slot of its last forward: backward prefetches
@@ -96,7 +96,7 @@ struct Engine::Impl {
   LoadPipeline loads_;            // every load (core/load_pipeline.hpp)
   std::vector<BlockState> blocks_;
   std::vector<SlotState> slots_;
-  std::unique_ptr<Event> copies_done_;
+  std::unique_ptr<Event> copies_done_, decodes_done_; // synchronize_locked's
   std::vector<int64_t> backward_started_; // acquire_for_backward since prepare, moves not run
   ResidencyListener* listener_ = nullptr;
   // Where the backend times its events (a GPU, the timed device), a stall is measured on the

@@ -293,7 +293,12 @@ void Engine::Impl::wait_like_the_seed(int64_t slot) {
 // A slot may be overwritten only after every computation that reads it has finished on the
 // device. Eviction happens right after the caller has enqueued the block's last computation, so
 // an event recorded on the compute stream now follows every reader, and the copy stream waits
-// for it before the next copy into the slot. The host does not wait.
+// for it before the next copy into the slot. The host does not wait. A compressed block's load
+// ends with its decode into the slot, on the decode stream (Note [a decode step] in
+// load_pipeline.cpp): a block that computed waited for it, so the compute's event covers it;
+// one evicted before it computed (a mode switch, a failed pass) did not, so the copy stream
+// also waits for that block's load event before the slot is refilled or poisoned, and the next
+// decode into the slot comes after the next copy on the copy stream: never two writers.
 void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   BlockState& state = blocks_[block];
   SlotState& slot = slots_[state.slot];
@@ -305,6 +310,7 @@ void Engine::Impl::evict(int64_t block, bool refilled, bool settle) {
   }
   backend_->record(*slot.released, Stream::compute);
   backend_->wait(Stream::copy, *slot.released);
+  if (!state.ready && loads_.decoded(block)) backend_->wait(Stream::copy, *state.loaded);
   if (state.dirty) {
     write_back(block);
   } else if (current().writes_back()) {
@@ -338,8 +344,7 @@ void Engine::Impl::load(int64_t block, int64_t slot) {
       copy_failed(std::current_exception());
     }
   }
-  loads_.copy_into(block, s.memory->data()); // may throw: nothing has changed
-  backend_->record(*state.loaded, Stream::copy);
+  loads_.copy_into(block, s.memory->data(), *state.loaded); // may throw: nothing has changed
   stats_.h2d_bytes += bytes;
   s.block = block;
   state.slot = slot;
@@ -363,11 +368,14 @@ void Engine::Impl::mark_ready(int64_t block) {
 }
 
 // A copy failed: whatever was loading may hold garbage. Blocks not yet waited for leave the
-// device; their host copies are untouched, so the next prepare() loads them again.
+// device; their host copies are untouched, so the next prepare() loads them again. A decode
+// still writing into a slot so freed is waited for by the copy stream before the next copy
+// (Note [slot reuse]).
 void Engine::Impl::forget_unready_loads() {
   for (int64_t b = 0; b < blocks(); ++b) {
     BlockState& state = blocks_[b];
     if (state.slot >= 0 && !state.ready) {
+      if (loads_.decoded(b)) backend_->wait(Stream::copy, *state.loaded);
       slots_[state.slot].block = -1;
       state.slot = -1;
       loads_.forget(b);
@@ -375,13 +383,22 @@ void Engine::Impl::forget_unready_loads() {
   }
 }
 
+// Every copy and every decode done (Note [a decode step]): both streams are waited for, even
+// when the first throws, so that nothing is left writing a slot.
 void Engine::Impl::synchronize_locked() {
+  const bool decodes = loads_.decode_buffer_bytes() > 0;
   backend_->record(*copies_done_, Stream::copy);
-  try {
-    backend_->synchronize(*copies_done_);
-  } catch (...) {
-    copy_failed(std::current_exception());
+  if (decodes) backend_->record(*decodes_done_, Stream::decode);
+  std::exception_ptr error;
+  for (const Event* done : {copies_done_.get(), decodes ? decodes_done_.get() : nullptr}) {
+    if (done == nullptr) continue;
+    try {
+      backend_->synchronize(*done);
+    } catch (...) {
+      if (!error) error = std::current_exception();
+    }
   }
+  if (error) copy_failed(error);
   commit_write_backs();
 }
 

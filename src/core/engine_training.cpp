@@ -227,6 +227,17 @@ void Engine::reload_trainable(int64_t block) {
   Impl::SlotState& slot = impl_->slots_[state.slot];
   impl_->backend_->record(*slot.released, Stream::compute); // after every reader of the old bytes
   impl_->backend_->wait(Stream::copy, *slot.released);
+  // The block's load may end with a decode not waited for yet (Note [a decode step]), whose
+  // error its load event holds: the host waits for it here (a rare path: a block loaded again
+  // before its host step), so that the new load event, on the copy stream, follows it and a
+  // damaged block raises.
+  if (!state.ready && impl_->loads_.decoded(block)) {
+    try {
+      impl_->backend_->synchronize(*state.loaded);
+    } catch (...) {
+      impl_->copy_failed(std::current_exception());
+    }
+  }
   impl_->backend_->copy_to_device(slot.memory->data() + impl_->store_.frozen_bytes(block),
                                   impl_->store_.trainable(block).data(), trainable, block);
   impl_->backend_->record(*state.loaded, Stream::copy);

@@ -242,16 +242,26 @@ void LoadPipeline::read_ahead() {
 
 // Note [a decode step]
 // Bytes that are not the slot's as they are (losslessly compressed weights, Note [compressed
-// host copies] in host_store.cpp) are decoded on the device between the source and the slot:
-// the load copies the compressed frozen bytes into a device buffer the Device accounts for
-// (one, allocated by compress(): the copy stream runs in order, so the next copy into it waits
-// for the decode out of it), enqueues Backend::decode from there into the slot on the copy
-// stream, then copies the trainable bytes (never compressed) into the slot
-// (load_pipeline_decode.cpp). The block's load event is recorded after all three, so compute
-// waits for the decode as it waited for the copy; a damaged block fails as a failed copy does,
-// at the block's wait. The source and the read order stay as they are. Today the pinned host
-// copies hold compressed bytes; the staging ring, the file and the node-shared copy hold raw
-// ones (the note in host_store.cpp says why).
+// host copies] in host_store.cpp) are decoded on the device between the source and the slot,
+// on a stream of its own (Stream::decode), so that the decode of one load overlaps the copy of
+// the next and a link-bound step gains the whole ratio (load_pipeline_decode.cpp):
+//  - compress() allocates two device buffers of the largest compressed block, which the Device
+//    accounts for (decode_buffer_bytes; the planners count both), used by the loads in turn;
+//  - on the copy stream, a load waits until its buffer is free (an event the decode stream
+//    recorded after the decode out of it before), copies the compressed frozen bytes into it,
+//    copies the trainable bytes (never compressed) into the slot, and records `copied`;
+//  - the decode stream waits for `copied`, decodes the buffer into the slot, records the
+//    block's load event, then the buffer's `free`.
+// So compute waits for the decode as it waited for the copy, and a damaged block fails as a
+// failed copy does, at the block's wait (its load event is the first recorded after the decode
+// on the decode stream). The slot: its next load's copies wait for the compute that read it
+// (Note [slot reuse] in engine_residency.cpp), which waited for this decode; a block evicted
+// before it computed makes the copy stream wait for its load event, and a block's trainable
+// bytes loaded again wait for it (Engine::reload_trainable). Engine::synchronize waits for
+// both streams. A backend without a decode stream runs it on the copy stream: in order, right,
+// in series. The source and the read order stay as they are. Today the pinned host copies hold
+// compressed bytes; the staging ring, the file and the node-shared copy hold raw ones (the
+// note in host_store.cpp says why).
 
 // Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
 // stream, and the host goes on; it waits for the read only when the block is about to be

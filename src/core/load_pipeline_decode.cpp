@@ -1,7 +1,7 @@
 // The load pipeline's decode step (core/load_pipeline.hpp, Note [a decode step] in
 // load_pipeline.cpp): blocks whose frozen bytes the host store keeps compressed (Note
-// [compressed host copies] in host_store.cpp) are copied compressed into a device buffer and
-// decoded from there into their slot, on the copy stream.
+// [compressed host copies] in host_store.cpp) are copied compressed into one of two device
+// buffers on the copy stream and decoded from there into their slot on the decode stream.
 #include <algorithm>
 #include <string>
 
@@ -17,7 +17,8 @@ void Backend::decode(std::byte* /*out*/, const std::byte* /*compressed*/, std::s
 
 void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges,
                             const std::vector<std::size_t>& modelled) {
-  BLOCKSWAP_CHECK(!decode_buffer_, "[", label_, "] the host copies are compressed already");
+  BLOCKSWAP_CHECK(!decode_buffers_[0].memory, "[", label_,
+                  "] the host copies are compressed already");
   const bool model = !backend_->holds_data();
   const std::size_t given = model ? modelled.size() : ranges.size();
   BLOCKSWAP_CHECK(
@@ -36,22 +37,37 @@ void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges
         model ? store_.model_compressed(b, modelled[b]) : store_.compress(b, ranges[b]);
     if (shrank) largest = std::max(largest, store_.stored_frozen_bytes(b));
   }
-  if (largest > 0) decode_buffer_ = backend_->allocate_device(largest);
+  if (largest == 0) return;
+  for (DecodeBuffer& buffer : decode_buffers_) { // the Device accounts for both
+    buffer.memory = backend_->allocate_device(largest);
+    buffer.copied = backend_->make_event();
+    buffer.free = backend_->make_event(); // not recorded: the first copy into it waits for nothing
+  }
 }
 
-// One buffer is enough: the copy into it, the decode out of it and the next copy into it are
-// on the copy stream, in order. The trainable bytes (raw) go straight into the slot.
-void LoadPipeline::copy_compressed(int64_t block, std::byte* slot,
-                                   const HostStore::Source& source) {
-  BLOCKSWAP_ASSERT(decode_buffer_.size() >= source.compressed_bytes, "block ", block,
-                   " is compressed, but the decode buffer holds ", decode_buffer_.size(), " bytes");
-  backend_->copy_to_device(decode_buffer_.data(), source.frozen, source.compressed_bytes, block);
-  backend_->decode(slot, decode_buffer_.data(), source.compressed_bytes, store_.parsed(block),
-                   block);
+// Note [a decode step]: two buffers, used in turn, so that the copy of the next compressed load
+// runs while this one decodes. The trainable bytes (raw) go straight into the slot, before the
+// event the decode waits for: its load event, on the decode stream, follows them too.
+void LoadPipeline::copy_compressed(int64_t block, std::byte* slot, const HostStore::Source& source,
+                                   Event& loaded) {
+  DecodeBuffer& buffer = decode_buffers_[next_decode_buffer_];
+  BLOCKSWAP_ASSERT(buffer.memory.size() >= source.compressed_bytes, "block ", block,
+                   " is compressed, but the decode buffer holds ", buffer.memory.size(), " bytes");
+  backend_->wait(Stream::copy, *buffer.free); // the decode out of it before is done
+  backend_->copy_to_device(buffer.memory.data(), source.frozen, source.compressed_bytes, block);
   if (source.trainable_bytes > 0) {
     backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
                              block);
   }
+  backend_->record(*buffer.copied, Stream::copy);
+  backend_->wait(Stream::decode, *buffer.copied);
+  backend_->decode(slot, buffer.memory.data(), source.compressed_bytes, store_.parsed(block),
+                   block);
+  // The load's event first: a backend that hands a failed decode's error to the next event
+  // recorded on its stream (the emulated device) hands it to this block's wait.
+  backend_->record(loaded, Stream::decode);
+  backend_->record(*buffer.free, Stream::decode);
+  next_decode_buffer_ = (next_decode_buffer_ + 1) % kDecodeBuffers;
   counters_.decoded_bytes += source.frozen_bytes;
   counters_.compressed_bytes += source.compressed_bytes;
 }

@@ -40,13 +40,25 @@ inline bool from_file(const BlockTiming& timing, int64_t block) {
   return !timing.from_file.empty() && timing.from_file[block];
 }
 
+inline bool decoded(const BlockTiming& timing, int64_t block) {
+  return !timing.compressed_bytes.empty() && !from_file(timing, block);
+}
+
 // A load of `block` on the copy stream: its bytes over the link, compressed where they are
-// (BlockTiming::compressed_bytes; the file's are not), then their decode.
+// (BlockTiming::compressed_bytes; the file's are not).
+inline double copy_seconds(const BlockTiming& timing, int64_t block, const LinkModel& link) {
+  return link.seconds(decoded(timing, block) ? timing.compressed_bytes[block]
+                                             : timing.bytes[block]);
+}
+
+// Then their decode (0 for a raw load), on the decode stream (Note [a decode step]).
+inline double decode_seconds(const BlockTiming& timing, int64_t block, const LinkModel& link) {
+  return decoded(timing, block) ? link.decode_seconds(timing.bytes[block]) : 0.0;
+}
+
+// A load from its copy's start to its decode's end: the copy, then the decode.
 inline double load_seconds(const BlockTiming& timing, int64_t block, const LinkModel& link) {
-  if (timing.compressed_bytes.empty() || from_file(timing, block)) {
-    return link.seconds(timing.bytes[block]);
-  }
-  return link.seconds(timing.compressed_bytes[block]) + link.decode_seconds(timing.bytes[block]);
+  return copy_seconds(timing, block, link) + decode_seconds(timing, block, link);
 }
 
 inline std::size_t activation_bytes(const BlockTiming& timing, int64_t block) {

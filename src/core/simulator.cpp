@@ -4,6 +4,7 @@
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
 #include <optional>
 
 #include "blockswap/core/activation_rule.hpp"
@@ -23,7 +24,11 @@ using namespace simulated;
 //  - a move evicts the slot's occupant: the copy stream waits for the compute stream to finish
 //    it (an event recorded after the block whose compute triggered the move); the seed replay's
 //    host waits for that too and copies the occupant back first; then the load;
-//  - a copy starts when the copy stream is free and the host has enqueued it.
+//  - a copy starts when the copy stream is free and the host has enqueued it;
+//  - a compressed load (BlockTiming::compressed_bytes) copies into one of its list's two decode
+//    buffers once the decode out of it before is done, and is ready when the decode stream,
+//    after that copy and the decode before, has decoded it (Note [a decode step] in
+//    load_pipeline.cpp); with !LinkModel::decode_stream the decode runs on the copy stream.
 // Blocks on the device at the start of the step are loaded already (the steady state).
 class VirtualClock {
 public:
@@ -70,13 +75,13 @@ public:
   void without_activations() { activations_ = false; }
 
   // Training: a step ends when nothing is in flight on any stream (time_step's finish()).
-  double step_end() const { return std::max({compute_, copy_, host_, d2h_}); }
+  double step_end() const { return std::max({compute_, copy_, host_, d2h_, decode_}); }
 
   // Training, the next step of a sequence (Note [training steps in sequence]): every stream
   // starts where the step before ended; the disk and the staging ring go on, and the
   // activations start over, as the front end's hooks do at each step.
   void start_next_step() {
-    compute_ = copy_ = host_ = d2h_ = step_end();
+    compute_ = copy_ = host_ = d2h_ = decode_ = step_end();
     rule_ = ActivationRule{};
     std::fill(activation_bytes_.begin(), activation_bytes_.end(), 0);
     std::fill(out_end_.begin(), out_end_.end(), 0.0);
@@ -88,7 +93,12 @@ public:
   std::vector<double> relative_state() const {
     // Anything at or before the compute stream's time waits for nothing any more: 0.
     std::vector<double> state{std::max(0.0, copy_ - compute_), std::max(0.0, host_ - compute_),
-                              std::max(0.0, disk_ - compute_)};
+                              std::max(0.0, disk_ - compute_), std::max(0.0, decode_ - compute_)};
+    for (const auto& [list, buffers] : decode_buffers_) {
+      for (int i = 0; i < 2; ++i) {
+        state.push_back(std::max(0.0, buffers.free[(buffers.next + i) % 2] - compute_));
+      }
+    }
     for (double ready : ready_) state.push_back(std::max(0.0, ready - compute_));
     for (std::size_t i = 0; i < staging_.size(); ++i) {
       state.push_back(std::max(0.0, staging_[(next_staging_ + i) % staging_.size()] - compute_));
@@ -96,7 +106,7 @@ public:
     return state;
   }
 
-  void reset_counters() { stall_ = busy_compute_ = busy_link_ = busy_disk_ = 0; }
+  void reset_counters() { stall_ = busy_compute_ = busy_link_ = busy_disk_ = busy_decode_ = 0; }
 
   // The schedule's lists take turns on one device: each list's blocks have their own entries.
   void next_list(std::size_t blocks) { offset_ += blocks; }
@@ -104,10 +114,11 @@ public:
 
   Simulation result() const {
     Simulation s;
-    s.step_seconds = std::max({compute_, copy_, host_, d2h_});
+    s.step_seconds = std::max({compute_, copy_, host_, d2h_, decode_});
     s.compute_seconds = busy_compute_;
     s.stall_seconds = stall_;
     s.link_busy_seconds = busy_link_;
+    s.decode_busy_seconds = busy_decode_;
     s.disk_busy_seconds = busy_disk_;
     s.d2h_busy_seconds = busy_d2h_;
     return s;
@@ -188,12 +199,19 @@ private:
     if (schedule.writes_back()) copy(timing.bytes[op.move.out], weight);
     copy_ = std::max(copy_, read_end); // the copy out of the staging buffer waits for its read
     if (!from_file && !timing.compressed_bytes.empty()) { // the compressed bytes, then the decode
+      DecodeBuffers& buffers = decode_buffers_[offset_];
+      double& free = buffers.free[buffers.next];
+      buffers.next = 1 - buffers.next;
+      copy_ = std::max(copy_, free); // the decode out of this buffer before
       copy(timing.compressed_bytes[op.move.in], weight);
-      copy_ += link_.decode_seconds(in);
-      busy_link_ += weight * link_.decode_seconds(in);
-    } else {
-      copy(in, weight);
+      double& decoder = link_.decode_stream ? decode_ : copy_;
+      decoder = std::max(decoder, copy_) + link_.decode_seconds(in);
+      busy_decode_ += weight * link_.decode_seconds(in);
+      free = decoder;
+      ready_[offset_ + op.move.in] = decoder;
+      return;
     }
+    copy(in, weight);
     if (from_file) {
       staging_[next_staging_] = copy_;
       next_staging_ = (next_staging_ + 1) % staging_.size();
@@ -205,6 +223,14 @@ private:
   bool activations_ = true;
   double compute_ = 0, copy_ = 0, host_ = 0, disk_ = 0;
   double stall_ = 0, busy_compute_ = 0, busy_link_ = 0, busy_disk_ = 0;
+  // Compressed weights: the decode stream, and each list's two decode buffers (by its offset_):
+  // when each is free again (its last decode ended), and the one the next load copies into.
+  struct DecodeBuffers {
+    double free[2] = {0, 0};
+    int next = 0;
+  };
+  double decode_ = 0, busy_decode_ = 0;
+  std::map<std::size_t, DecodeBuffers> decode_buffers_;
   std::vector<double> staging_; // when each staging buffer is free again
   std::size_t next_staging_ = 0;
   std::vector<double> ready_; // when each block's last load ends
@@ -279,7 +305,12 @@ Simulation simulate(std::span<const SimulatedList> lists, const LinkModel& link)
         result.steady = steady;
         // Not steady within kMaxPasses: a backlog on the link still grows (a link slower than
         // the compute by a hair), so in the long run the link sets the pace.
-        if (!steady) result.step_seconds = std::max(result.step_seconds, result.link_busy_seconds);
+        if (!steady) {
+          result.step_seconds = std::max(
+              {result.step_seconds, result.link_busy_seconds,
+               link.decode_stream ? result.decode_busy_seconds
+                                  : result.link_busy_seconds + result.decode_busy_seconds});
+        }
         return result;
       }
       last_state = std::move(state);

@@ -91,10 +91,15 @@ double chained_pass_seconds(const SimulatedList& list, double pass_compute, cons
 // so the half's last load ends after every read of the half, then the block it loads computes,
 // then the rest of the half. It is what binds when the disk is slower than the forward's compute
 // and the ring too shallow to carry the backward's spare disk time into the next forward.
+//
+// Compressed loads (Note [a decode step]): the link carries their copies and the decode stream
+// their decodes, each in order. The half's last load ends after every copy of the half and its
+// own decode; where it is decoded, also after every decode of the half, which start after the
+// first decoded load's copy at the earliest.
 double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const LinkModel& link) {
   const Schedule& schedule = *list.schedule;
   const BlockTiming& timing = *list.timing;
-  double compute = 0, copies = 0;
+  double compute = 0, copies = 0, decodes = 0, first_decoded_copy = -1;
   std::ptrdiff_t first_move = -1, last_move = -1;
   std::vector<double> reads;    // the half's reads from the file
   double before_first_read = 0; // the computes before the half's first move from the file
@@ -107,7 +112,11 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
     }
     if (first_move < 0) first_move = static_cast<std::ptrdiff_t>(i);
     last_move = static_cast<std::ptrdiff_t>(i);
-    copies += load_seconds(timing, op.move.in, link);
+    copies += copy_seconds(timing, op.move.in, link);
+    decodes += decode_seconds(timing, op.move.in, link);
+    if (decoded(timing, op.move.in) && first_decoded_copy < 0) {
+      first_decoded_copy = copies;
+    }
     if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
     if (!timing.from_file.empty() && timing.from_file[op.move.in]) {
       if (reads.empty()) {
@@ -150,7 +159,13 @@ double half_seconds(const std::vector<Op>& ops, const SimulatedList& list, const
             : std::min(all_but(q - 1), before_first_read + first_read_copy + all_but(q));
     disk = rest + load_seconds(timing, last_loaded, link) + after;
   }
-  return std::max({compute, before + copies + after, disk});
+  double loads = copies + decode_seconds(timing, last_loaded, link);
+  if (!link.decode_stream) {
+    loads = copies + decodes; // one stream for both
+  } else if (decoded(timing, last_loaded)) {
+    loads = std::max(loads, first_decoded_copy + decodes);
+  }
+  return std::max({compute, before + loads + after, disk});
 }
 
 // Every list's forward and backward segments are disjoint stretches of the compute stream.
@@ -176,7 +191,7 @@ double halves_seconds(const SimulatedList& list, const LinkModel& link) {
 
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   check_lists(lists, link);
-  double compute = 0, copies = 0, slots = 0, reads = 0, ring = 0, out = 0;
+  double compute = 0, copies = 0, decodes = 0, slots = 0, reads = 0, ring = 0, out = 0;
   // Offloaded activations: the groups the rule sends out in the forward (the last stays).
   ActivationRule rule;
   std::vector<double> out_seconds; // per block of every list
@@ -205,7 +220,8 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
         staged +=
             link.disk_seconds(timing.bytes[op.move.in]) + link.seconds(timing.bytes[op.move.in]);
       }
-      copies += load_seconds(timing, op.move.in, link);
+      copies += copy_seconds(timing, op.move.in, link);
+      decodes += decode_seconds(timing, op.move.in, link);
       if (schedule.writes_back()) copies += link.seconds(timing.bytes[op.move.out]);
     }
     slots = std::max(slots, slot_seconds(list, link));
@@ -222,7 +238,9 @@ double step_bound(std::span<const SimulatedList> lists, const LinkModel& link) {
   slots = std::max(slots, halves);
   copies += out; // every offloaded activation comes back on the host->device link
   if (!link.duplex) copies += out;
-  return std::max({compute, copies, slots, reads, ring, link.duplex ? out : 0.0});
+  // Compressed loads: their decodes in order on the decode stream, or on the copy stream.
+  if (!link.decode_stream) copies += decodes;
+  return std::max({compute, copies, decodes, slots, reads, ring, link.duplex ? out : 0.0});
 }
 
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link) {

@@ -10,6 +10,7 @@
 #include "auto_compress.hpp"
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/load_pipeline.hpp"
 #include "blockswap/core/log.hpp"
 #include "blockswap/torch.hpp"
 #include "file_weights.hpp"
@@ -48,8 +49,9 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
                               const Device& device, const std::vector<BlockLayout>& layouts) {
   if (options.blocks_to_swap != -1) return options.blocks_to_swap;
   std::vector<std::size_t> bytes;
-  // Compressed weights: the decode buffer (its largest block's frozen bytes compressed, at most
-  // them) comes out of the budget beside the slots (Note [a decode step] in load_pipeline.cpp).
+  // Compressed weights: the two decode buffers (each its largest block's frozen bytes
+  // compressed, at most them) come out of the budget beside the slots (Note [a decode step] in
+  // load_pipeline.cpp).
   std::size_t decode_buffer = 0;
   for (const auto& layout : layouts) {
     bytes.push_back(layout.bytes);
@@ -57,7 +59,8 @@ int64_t choose_blocks_to_swap(const std::string& label, const Options& options,
   }
   if (options.compress != Compress::on) decode_buffer = 0;
   auto less_decode_buffer = [&](std::size_t budget) {
-    return budget - std::min(budget, layout::align_up(decode_buffer));
+    const std::size_t buffers = LoadPipeline::kDecodeBuffers * layout::align_up(decode_buffer);
+    return budget - std::min(budget, buffers);
   };
   const Mode mode = options.supports_backward ? Mode::training : Mode::forward_only;
   if (options.shared_device && device.budget_bytes() > 0) {

@@ -1,8 +1,10 @@
 // The load pipeline's decode step (load_pipeline_decode.cpp) under the engine: blocks whose
 // frozen bytes the host store keeps compressed reach their slots bit for bit, in inference and
 // training (trainable bytes raw, written back and loaded again), for less host memory; a damaged
-// compressed block is an Error at its wait, never a wrong weight; the timed device spends the
-// decode's time on the copy stream and the link only the compressed bytes'.
+// compressed block is an Error at its wait, never a wrong weight; a slow decode (on the emulated
+// device's decode stream) is waited for; the two decode buffers are in the device's memory; the
+// timed device spends the decode's time on the decode stream, beside the copies, and the link
+// only the compressed bytes'.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -12,6 +14,7 @@
 #include "../core/codec_weights.hpp"
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/layout.hpp"
 #include "blockswap/device/device.hpp"
 #include "blockswap/device/emulated.hpp"
 #include "blockswap/device/timed.hpp"
@@ -80,6 +83,44 @@ TEST(Decode, InferenceLoadsTheCompressedBlocksBitForBit) {
   EXPECT_GT(stats.decoded_bytes, 0u);
   EXPECT_LT(stats.compressed_bytes, stats.decoded_bytes);
   for (int64_t b = 0; b < kBlocks; ++b) EXPECT_TRUE(engine.compressed(b));
+}
+
+// The decodes slow (2 ms a block) on the emulated device's decode stream: the slot keeps its
+// old bytes until each decode ends, so a computation that did not wait for the decode (its load
+// event recorded after the copies only) would read them. Every block is still exact.
+TEST(Decode, ASlowDecodeIsWaitedForBitForBit) {
+  auto device = std::make_shared<EmulatedDevice>(EmulatedDeviceOptions{.decode_gbps = 0.065});
+  Engine engine(device, sizes(0), options(Compress::on, 0, true));
+  engine.set_forward_only(true);
+  fill(engine, 0);
+  for (int pass = 0; pass < 3; ++pass) EXPECT_EQ(forward_pass_exact(engine, 0), kBlocks);
+  // Blocks loaded and evicted before they compute (a mode switch): the next loads into their
+  // slots come after their decodes (Note [slot reuse]).
+  engine.prepare();
+  engine.set_forward_only(false);
+  engine.prepare();
+  engine.set_forward_only(false);
+  engine.set_forward_only(true);
+  EXPECT_EQ(forward_pass_exact(engine, 0), kBlocks);
+}
+
+// Compressed weights: two decode buffers of the largest compressed block, allocated by
+// compress() through the backend, so the Device and its budget count them.
+TEST(Decode, TheTwoDecodeBuffersAreInTheDevicesMemory) {
+  auto device = std::make_shared<EmulatedDevice>();
+  Engine engine(device, sizes(0), options(Compress::on, 0, false));
+  fill(engine, 0);
+  const std::size_t before = device->memory().device_bytes;
+  engine.compress();
+  const std::size_t buffers = engine.compression().decode_buffer_bytes;
+  std::size_t largest = 0;
+  for (int64_t b = 0; b < kBlocks; ++b) largest = std::max(largest, engine.host_frozen_bytes(b));
+  EXPECT_EQ(buffers, 2 * largest);
+  EXPECT_EQ(device->memory().device_bytes - before, 2 * layout::align_up(largest));
+  Engine raw(device, sizes(0), options(Compress::off, 0, false));
+  fill(raw, 0);
+  raw.compress();
+  EXPECT_EQ(raw.compression().decode_buffer_bytes, 0u);
 }
 
 TEST(Decode, HostMemoryShrinksByAboutTheRatio) {
@@ -198,24 +239,43 @@ TEST(Decode, OptionNamesAreCheckedAndTheRangesNeeded) {
 }
 
 // The timed device holds no bytes: it decodes in modelled time (decoded bytes over its decode
-// rate, on the copy stream after the copy), and compresses only the sizes it is given
-// (compressed_timing_test.cpp).
-TEST(Decode, TimedDeviceSpendsTheDecodesTimeOnTheCopyStream) {
-  TimedDeviceOptions timed;
-  timed.link.bytes_per_second = 1e9;
-  timed.link.decode_bytes_per_second = 4e9;
-  auto device = std::make_shared<TimedDevice>(timed);
-  Buffer slot = device->allocate_device(1 << 20);
-  Buffer compressed = device->allocate_device(1 << 19);
-  codec::Parsed parsed;
-  parsed.decoded_bytes = 1 << 20;
-  const double start = device->finish();
-  device->copy_to_device(compressed.data(), nullptr, 1 << 19, 0);
-  device->decode(slot.data(), compressed.data(), 1 << 19, parsed, 0);
-  const double end = device->finish();
-  EXPECT_DOUBLE_EQ(device->decode_busy_seconds(), (1 << 20) / 4e9);
-  EXPECT_DOUBLE_EQ(device->link_busy_seconds(), (1 << 19) / 1e9);
-  EXPECT_GE(end - start, (1 << 19) / 1e9 + (1 << 20) / 4e9); // in series, after the copy
+// rate, on the decode stream after the copy it waits for, beside the next copy; on the copy
+// stream, in series, where LinkModel::decode_stream is false), and compresses only the sizes it
+// is given (compressed_timing_test.cpp).
+TEST(Decode, TimedDeviceDecodesBesideTheCopies) {
+  for (bool decode_stream : {true, false}) {
+    TimedDeviceOptions timed;
+    timed.link.bytes_per_second = 1e9;
+    timed.link.decode_bytes_per_second = 1e9;
+    timed.link.decode_stream = decode_stream;
+    auto device = std::make_shared<TimedDevice>(timed);
+    Buffer slot = device->allocate_device(1 << 20);
+    Buffer compressed = device->allocate_device(1 << 19);
+    codec::Parsed parsed;
+    parsed.decoded_bytes = 1 << 20;
+    const double start = device->finish();
+    device->copy_to_device(compressed.data(), nullptr, 1 << 19, 0);
+    const auto copied = device->make_event();
+    device->record(*copied, Stream::copy);
+    device->wait(Stream::decode, *copied);
+    device->decode(slot.data(), compressed.data(), 1 << 19, parsed, 0);
+    const auto decoded = device->make_event();
+    device->record(*decoded, Stream::decode);
+    device->copy_to_device(compressed.data(), nullptr, 1 << 19, 1); // the next load's copy
+    device->synchronize(*decoded);
+    const double decode_end = device->now();
+    const double end = device->finish();
+    const double copy = (1 << 19) / 1e9, decode = (1 << 20) / 1e9;
+    EXPECT_DOUBLE_EQ(device->decode_busy_seconds(), decode);
+    EXPECT_DOUBLE_EQ(device->link_busy_seconds(), 2 * copy);   // the decode is not the link's
+    EXPECT_GE(decode_end - start, copy + decode * (1 - 1e-9)); // after the copy it waited for
+    if (decode_stream) { // the second copy ran during the decode (the host's calls take time)
+      EXPECT_LT(end - start, copy + decode + copy / 2);
+    } else {
+      EXPECT_GE(end - start, 2 * copy + decode * (1 - 1e-9)); // in series
+    }
+  }
+  auto device = std::make_shared<TimedDevice>();
   EXPECT_THROW(Engine(device, sizes(0), options(Compress::on, 0, false)).compress(), Error);
   TimedDeviceOptions negative;
   negative.link.decode_bytes_per_second = -1;

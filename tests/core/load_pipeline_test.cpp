@@ -80,9 +80,8 @@ struct Fixture {
   }
   // Loads block b into the slot, waits for it, and counts the bytes that differ.
   std::size_t load(int64_t block) {
-    pipeline.copy_into(block, slot.data());
     const auto done = device->make_event();
-    device->record(*done, Stream::copy);
+    pipeline.copy_into(block, slot.data(), *done); // records `done` where the load ends
     device->synchronize(*done); // the slot outlives the copy, also when the read failed
     pipeline.finish(block);
     std::size_t wrong = 0;
@@ -157,9 +156,8 @@ TEST(LoadPipeline, AnEvictionRunsWithNoCopyAheadOfItsBlockAndItsErrorPassesThrou
     for (std::size_t i = 0; i < kBytes; ++i) f.store.buffer(1)->data()[i] = pattern(7, i);
   });
   EXPECT_EQ(f.load(0), 0u);
-  f.pipeline.copy_into(1, f.slot.data());
   const auto done = f.device->make_event();
-  f.device->record(*done, Stream::copy);
+  f.pipeline.copy_into(1, f.slot.data(), *done);
   f.device->synchronize(*done);
   EXPECT_EQ(std::memcmp(f.slot.data(), f.store.buffer(1)->data(), kBytes), 0);
   EXPECT_THROW(f.pipeline.hold_around(2, [] { throw InvalidArgument("listener"); }),

@@ -613,9 +613,10 @@ TEST_P(BackendContract, TheComputeStreamWaitsForTheCopiesItIsToldTo) {
 }
 
 // synchronize blocks the host until the event has completed, and no longer.
-// Backend::decode: a compressed block on the device decodes into device memory bit for bit, in
-// the copy stream's order; a damaged one is an Error where the host next waits for the copy
-// stream, and the stream goes on. (CUDA: a build without nvcc cannot decode, and says so.)
+// Backend::decode: a compressed block on the device decodes into device memory bit for bit, on
+// the decode stream, ordered after its copy and before the copy back by events; a damaged one is
+// an Error where the host next waits for the decode stream, and the stream goes on. (CUDA: a
+// build without nvcc cannot decode, and says so.)
 TEST_P(BackendContract, DecodeWritesTheRawBytesAndDamageFailsAtTheNextWait) {
   constexpr std::size_t kValues = 20'000;
   const std::vector<std::byte> raw =
@@ -630,29 +631,39 @@ TEST_P(BackendContract, DecodeWritesTheRawBytesAndDamageFailsAtTheNextWait) {
   }
   Buffer host = backend().allocate_host(packed.size()), back = backend().allocate_host(raw.size());
   Buffer in = backend().allocate_device(packed.size()), out = backend().allocate_device(raw.size());
-  if (!subject().holds_data) { // decodes in modelled time, touching nothing
-    backend().copy_to_device(in.data(), host.data(), packed.size(), 0);
-    backend().decode(out.data(), in.data(), packed.size(), parsed, 0);
+  const std::unique_ptr<Event> copied = backend().make_event(), decoded = backend().make_event();
+  // The copy in, then the decode after it (as the load pipeline orders them).
+  auto copy_and_decode = [&](int64_t tag) {
+    backend().copy_to_device(in.data(), host.data(), packed.size(), tag);
+    backend().record(*copied, Stream::copy);
+    backend().wait(Stream::decode, *copied);
+    backend().decode(out.data(), in.data(), packed.size(), parsed, tag);
+  };
+  // Then the copy back after the decode.
+  auto copy_back = [&](int64_t tag) {
+    backend().record(*decoded, Stream::decode);
+    backend().wait(Stream::copy, *decoded);
+    backend().copy_to_host(back.data(), out.data(), raw.size(), tag);
+    drain(Stream::decode);
     drain();
+  };
+  if (!subject().holds_data) { // decodes in modelled time, touching nothing
+    copy_and_decode(0);
+    drain(Stream::decode);
     return;
   }
   std::memcpy(host.data(), packed.data(), packed.size());
-  backend().copy_to_device(in.data(), host.data(), packed.size(), 0);
-  backend().decode(out.data(), in.data(), packed.size(), parsed, 0);
-  backend().copy_to_host(back.data(), out.data(), raw.size(), 1);
-  drain();
+  copy_and_decode(0);
+  copy_back(1);
   EXPECT_TRUE(same(back.data(), raw));
 
   host.data()[packed.size() - 5] ^= std::byte{0x04}; // a rest byte: only the checksum sees it
-  backend().copy_to_device(in.data(), host.data(), packed.size(), 2);
-  backend().decode(out.data(), in.data(), packed.size(), parsed, 2);
-  EXPECT_THROW(drain(), Error);
+  copy_and_decode(2);
+  EXPECT_THROW(drain(Stream::decode), Error);
   // The stream goes on: the block as it was decodes again.
   host.data()[packed.size() - 5] ^= std::byte{0x04};
-  backend().copy_to_device(in.data(), host.data(), packed.size(), 3);
-  backend().decode(out.data(), in.data(), packed.size(), parsed, 3);
-  backend().copy_to_host(back.data(), out.data(), raw.size(), 4);
-  drain();
+  copy_and_decode(3);
+  copy_back(4);
   EXPECT_TRUE(same(back.data(), raw));
 }
 

@@ -296,7 +296,7 @@ TEST(Compress, FrozenTensorsOffTheDeviceAreEmptyUntilClose) {
   }
 }
 
-// The planner (blocks_to_swap = -1) leaves room in the budget for the decode buffer.
+// The planner (blocks_to_swap = -1) leaves room in the budget for the two decode buffers.
 TEST(Compress, ThePlannedBlocksAndTheDecodeBufferFitTheBudget) {
   for (bool on : {false, true}) {
     Model model(kBlocks);

@@ -9,6 +9,7 @@
 
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
+#include "blockswap/core/load_pipeline.hpp"
 #include "blockswap/core/planner.hpp"
 #include "blockswap/core/simulator.hpp"
 #include "blockswap/model_io/checkpoint.hpp"
@@ -170,15 +171,17 @@ int plan_command(const PlanArgs& args) {
       }
     }
   }
-  // Compressed weights need a decode buffer on the device beside each group's slots (its
-  // largest block's frozen bytes compressed, at most the raw ones: what the offloaders reserve
-  // and the Python planner counts), so the plan with compression fits the budget less those
-  // buffers, and its step is that plan's.
+  // Compressed weights need two decode buffers on the device beside each group's slots (each
+  // its largest block's frozen bytes compressed, at most the raw ones: what the offloaders
+  // reserve and the Python planner counts; one is copied into while the other is decoded
+  // from), so the plan with compression fits the budget less those buffers, and its step is
+  // that plan's.
   uint64_t decode_bytes = 0;
   std::optional<ModelPlan> compressed_plan;
   if (ratio > 1) {
     for (const BlockGroup& g : layout.groups) {
-      decode_bytes += blockswap::layout::align_up(g.largest_bytes());
+      decode_bytes +=
+          blockswap::LoadPipeline::kDecodeBuffers * blockswap::layout::align_up(g.largest_bytes());
     }
     if (plan.device_bytes + decode_bytes <= budget) {
       compressed_plan = plan; // the same blocks swapped: prediction.compressed_seconds is its

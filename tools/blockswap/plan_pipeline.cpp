@@ -44,7 +44,8 @@ Choice time_stage(const std::vector<std::vector<std::size_t>>& lists,
                   const std::vector<BlockTiming>& timings, const std::vector<int64_t>& ks,
                   int64_t rotating, const std::vector<Op::Kind>& halves, const LinkModel& link) {
   std::vector<Schedule> schedules;
-  Choice choice{rotating};
+  Choice choice;
+  choice.rotating = rotating;
   for (std::size_t l = 0; l < lists.size(); ++l) {
     schedules.emplace_back(
         ScheduleOptions{static_cast<int64_t>(lists[l].size()), ks[l], Mode::training, rotating});

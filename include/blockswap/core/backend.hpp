@@ -1,10 +1,12 @@
-// The device interface the engine talks to: memory, two streams, events.
+// The device interface the engine talks to: memory, three streams, events.
 //
-// A backend has a compute stream (where blocks are computed) and one copy stream (where weights
-// move). Work on one stream runs in the order it was enqueued; ordering across streams is by
-// events only. Implementations are `final`: EmulatedDevice (emulated.hpp) runs anywhere and is
-// the test double; TimedDevice (timed.hpp) holds no data and models time; the CUDA backend
-// runs on a GPU; Device::attach (device.hpp) wraps one of them for each engine that shares it.
+// A backend has a compute stream (where blocks are computed), one copy stream (where weights
+// move) and a decode stream (where compressed weights are decoded, Backend::decode). Work on one
+// stream runs in the order it was enqueued; ordering across streams is by events only; a backend
+// may run the decode stream's work on its copy stream (more ordering, never less). `final`
+// implementations: EmulatedDevice (emulated.hpp) runs anywhere and is the test double;
+// TimedDevice (timed.hpp) holds no data and models time; the CUDA backend runs on a GPU;
+// Device::attach (device.hpp) wraps one of them for each engine that shares it.
 #pragma once
 
 #include <chrono>
@@ -73,7 +75,9 @@ private:
   Pinning pinning_ = Pinning::pinned_or_device;
 };
 
-enum class Stream { compute, copy };
+// `decode`: Backend::decode's (Note [a decode step] in load_pipeline.cpp). A backend without a
+// decode stream of its own runs its work on the copy stream, in the order enqueued there.
+enum class Stream { compute, copy, decode };
 
 // A point in a stream's work, made by Backend::make_event and recorded by Backend::record.
 // Re-recording replaces the point; waits use the point recorded last before them.
@@ -124,12 +128,14 @@ public:
   // Calls `observer` after each copy completes, on whichever thread sees it complete. A backend
   // that cannot time its copies never calls it.
   virtual void set_copy_observer(CopyObserver observer) = 0;
-  // Enqueues on the copy stream the decode of the compressed block (core/codec.hpp) of `bytes`
-  // bytes at `compressed` (device memory, copied there before on the copy stream) into `out`
-  // (device memory of parsed.decoded_bytes); `parsed` is codec::parse of the same bytes on the
-  // host. Returns at once. A damaged block fails as a failed copy does: its Error is rethrown
-  // where the host next waits for the copy stream, and `out` holds garbage (Note [a decode
-  // step] in load_pipeline.cpp). Default: throws Error (the backend cannot decode).
+  // Enqueues on the decode stream the decode of the compressed block (core/codec.hpp) of `bytes`
+  // bytes at `compressed` (device memory, copied there before on the copy stream: the caller
+  // orders the decode after that copy with an event) into `out` (device memory of
+  // parsed.decoded_bytes); `parsed` is codec::parse of the same bytes on the host. Returns at
+  // once. A damaged block fails as a failed copy does: its Error is rethrown where the host next
+  // waits for an event recorded on the decode stream after it, and `out` holds garbage or NaN
+  // (Note [a decode step] in load_pipeline.cpp). Default: throws Error (the backend cannot
+  // decode).
   virtual void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
                       const codec::Parsed& parsed, int64_t tag);
   // Whether decode works here (the CUDA backend: where nvcc built the decoder).
@@ -146,14 +152,16 @@ public:
   // same as make_event (the default). A backend that forwards times_events to another forwards
   // this too.
   virtual std::unique_ptr<Event> make_timed_event() { return make_event(); }
-  // Records `event` at the current end of `stream`; returns at once.
+  // Records `event` at the current end of `stream`; returns at once. An error of a copy or a
+  // decode enqueued before it on that stream is rethrown where the host waits for it.
   virtual void record(Event& event, Stream stream) = 0;
   // Makes later work on `stream` wait for `event`. The host does not wait, except where the
   // host itself is the compute stream (EmulatedDevice). Rethrows a failed copy's error when
-  // the host waits.
+  // the host waits. The decode stream, waiting for an event after a failed copy, carries that
+  // error on to its next event on the emulated device (a decode never hides a failed copy).
   virtual void wait(Stream stream, const Event& event) = 0;
-  // Blocks the host until `event` has completed; rethrows the error of a copy that failed
-  // before it on the copy stream.
+  // Blocks the host until `event` has completed; rethrows the error of a copy (or decode) that
+  // failed before it on its stream.
   virtual void synchronize(const Event& event) = 0;
   // Makes later work on `stream` wait until `until` returns: the stream calls it, on a thread
   // of the backend's, once it gets there, and the host does not wait (the staging ring's copy

@@ -78,31 +78,33 @@ public:
   // the steady state: the pass's own loads are read ahead).
   void start_pass(const std::vector<int64_t>& placements);
 
-  // Enqueues the copy of block i's bytes from its source into `slot` on the copy stream and
-  // returns at once, except that a block from pageable memory waits for its staging copy. Its
-  // trainable bytes are read where the store says they are freshest; a pending write-back of a
-  // staged block must have been waited for (the host reads them). Throws the read's error for
-  // a block from pageable memory; on a throw nothing was enqueued.
-  void copy_into(int64_t block, std::byte* slot) { // inline: every load (engine_bench)
+  // Enqueues the copy of block i's bytes from its source into `slot` on the copy stream (and
+  // its decode on the decode stream, Note [a decode step]), records `loaded` where the load
+  // ends (the copy stream, or the decode stream after a decode) and returns at once, except
+  // that a block from pageable memory waits for its staging copy. Its trainable bytes are read
+  // where the store says they are freshest; a pending write-back of a staged block must have
+  // been waited for (the host reads them). Throws the read's error for a block from pageable
+  // memory; on a throw nothing was enqueued.
+  void copy_into(int64_t block, std::byte* slot, Event& loaded) { // inline: every load
     if (staged(block)) {
       copy_staged(block, slot);
+    } else if (const HostStore::Source source = store_.load_source(block);
+               source.compressed_bytes > 0) {
+      copy_compressed(block, slot, source, loaded);
       return;
-    }
-    const HostStore::Source source = store_.load_source(block);
-    if (source.compressed_bytes > 0) {
-      copy_compressed(block, slot, source);
-      return;
-    }
-    if (source.contiguous()) {
+    } else if (source.contiguous()) {
       backend_->copy_to_device(slot, source.frozen, store_.bytes(block), block);
-      return;
+    } else {
+      if (source.frozen_bytes > 0) {
+        backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
+      }
+      backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
+                               block);
     }
-    if (source.frozen_bytes > 0) {
-      backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
-    }
-    backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
-                             block);
+    backend_->record(loaded, Stream::copy);
   }
+  // Whether block i's loads end on the decode stream (its host copy is compressed).
+  bool decoded(int64_t block) const { return !staged(block) && store_.compressed(block); }
   // Note [compressed host copies] (host_store.cpp): stores the frozen bytes of every block that
   // may be (pinned host memory of the store's own) compressed with `ranges[i]` (where its frozen
   // bytes hold floating-point values), once the caller has filled them, and allocates the
@@ -112,8 +114,14 @@ public:
   // (HostStore::model_compressed; Error when empty).
   void compress(const std::vector<std::vector<codec::Range>>& ranges,
                 const std::vector<std::size_t>& modelled = {});
-  // Device memory the decode step holds (0 without compressed blocks).
-  std::size_t decode_buffer_bytes() const { return decode_buffer_.size(); }
+  // Device memory the decode step holds (0 without compressed blocks): kDecodeBuffers buffers
+  // of the largest compressed block's bytes.
+  std::size_t decode_buffer_bytes() const {
+    return decode_buffers_[0].memory.size() * kDecodeBuffers;
+  }
+  static constexpr std::size_t kDecodeBuffers = 2;
+  // The most compressed bytes a load may decode: one buffer's.
+  std::size_t decode_capacity() const { return decode_buffers_[0].memory.size(); }
 
   // Block i is about to be computed: blocks the host until its read from the file (if any)
   // is done, and throws that read's error (after file_failed).
@@ -141,7 +149,8 @@ private:
   // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
   StagingReader::Staged take(int64_t block, bool wait);
   void copy_staged(int64_t block, std::byte* slot);
-  void copy_compressed(int64_t block, std::byte* slot, const HostStore::Source& source);
+  void copy_compressed(int64_t block, std::byte* slot, const HostStore::Source& source,
+                       Event& loaded);
   void finish_read(int64_t block);
 
   std::shared_ptr<Backend> backend_;
@@ -158,7 +167,15 @@ private:
   std::size_t cursor_ = 0;                   // the next of them to request
   std::deque<int64_t> ahead_;                // requested from the reader, not yet taken
   std::unique_ptr<StagingReader> reader_;
-  Buffer decode_buffer_; // device memory: the compressed bytes of the load being decoded
+  // Note [a decode step]: device memory for the compressed bytes of a load being decoded, and
+  // its events: `copied` (on the copy stream, after the copy into it) and `free` (on the
+  // decode stream, after the decode out of it).
+  struct DecodeBuffer {
+    Buffer memory;
+    std::unique_ptr<Event> copied, free;
+  };
+  DecodeBuffer decode_buffers_[kDecodeBuffers];
+  std::size_t next_decode_buffer_ = 0; // the one the next compressed load copies into
 };
 
 } // namespace blockswap

@@ -3,9 +3,10 @@
 // Pure: no threads, no devices. It plays the ops of one step of one or more schedules (the
 // block lists of a model, one after another on one device) the way the engine enqueues them:
 // a compute stream that computes blocks in order, a copy stream (the link) that copies in order,
-// events between them, and, for the seed replay, a host that waits. It returns the step time,
-// the stall before each block's compute and the link's busy time; step_bound() gives the bound
-// T* that no execution of the schedule can beat (docs/performance.md, "The bound T*").
+// a decode stream that decodes compressed loads in order (Note [a decode step] in
+// load_pipeline.cpp), events between them, and, for the seed replay, a host that waits. It returns
+// the step time, the stall before each block's compute and the link's busy time; step_bound() gives
+// the bound T* that no execution of the schedule can beat (docs/performance.md, "The bound T*").
 //
 //   const blockswap::Schedule schedule({.blocks = 40, .blocks_to_swap = 20});
 //   const auto result = blockswap::simulate(schedule, blockswap::uniform_timing(40, 0.01, 1e8,
@@ -39,9 +40,13 @@ struct LinkModel {
   // both ways. They come back on the host->device channel, in series with the weights' loads.
   bool duplex = true;
   // Compressed weights (BlockTiming::compressed_bytes): the device decodes a load's bytes at
-  // this rate (decoded bytes per second), on the copy stream after its copy (Note [a decode
-  // step] in load_pipeline.cpp); 0: decoding takes no time.
+  // this rate (decoded bytes per second), on a decode stream of its own after the load's copy,
+  // so that it overlaps the next load's copy (Note [a decode step] in load_pipeline.cpp);
+  // 0: decoding takes no time.
   double decode_bytes_per_second = 0;
+  // false: the decodes run on the copy stream, in series with the copies (a backend without a
+  // decode stream of its own; blockswap before its decode stream, for comparison).
+  bool decode_stream = true;
   double seconds(std::size_t bytes) const;
   double disk_seconds(std::size_t bytes) const;
   double decode_seconds(std::size_t decoded_bytes) const;
@@ -100,11 +105,12 @@ struct Simulation {
   // backward, when nothing is in flight. Forward-only: one pass in the steady state of a
   // sequence, from the end of the previous pass's last computation to the end of its own.
   double step_seconds = 0;
-  double compute_seconds = 0;   // the compute stream busy, per step
-  double stall_seconds = 0;     // the compute stream idle before a block, per step
-  double link_busy_seconds = 0; // the copy stream busy (loads, decodes, write-backs), per step
-  double disk_busy_seconds = 0; // the disk busy reading file-tier blocks, per step
-  double d2h_busy_seconds = 0;  // the device->host channel busy with activations, per step
+  double compute_seconds = 0;     // the compute stream busy, per step
+  double stall_seconds = 0;       // the compute stream idle before a block, per step
+  double link_busy_seconds = 0;   // the copy stream busy (loads, write-backs), per step
+  double decode_busy_seconds = 0; // the decode stream busy (compressed weights), per step
+  double disk_busy_seconds = 0;   // the disk busy reading file-tier blocks, per step
+  double d2h_busy_seconds = 0;    // the device->host channel busy with activations, per step
   std::vector<ListSimulation> lists;
   // Forward-only: the passes played before the measured chunk of kPassesPerChunk, and whether
   // the state repeated within kMaxPasses (when it did not, a backlog on the link still grew,
@@ -149,7 +155,12 @@ Simulation simulate_halves(std::span<const SimulatedList> lists, std::span<const
 //     the half's first copy from the file when Q are), then the half's last load and the
 //     computes from its block on.
 // Offloaded activations add their copies back to the link term and, duplex, make a second
-// term of their copies out (one channel: both to the link term).
+// term of their copies out (one channel: both to the link term). Compressed loads
+// (BlockTiming::compressed_bytes) count their compressed bytes in the link term and make a
+// decode term of their decodes, one after another on the decode stream (without one,
+// LinkModel::decode_stream false, the decodes add to the link term); a slot's load is its copy
+// then its decode; a half's last load ends after the half's copies and its own decode, and,
+// decoded, after the half's decodes too.
 // With one slot nothing overlaps: N·(c + l). docs/performance.md states it in full.
 double step_bound(std::span<const SimulatedList> lists, const LinkModel& link);
 double step_bound(const Schedule& schedule, const BlockTiming& timing, const LinkModel& link);

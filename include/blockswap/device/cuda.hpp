@@ -2,9 +2,10 @@
 //
 // Host buffers are pinned (cudaHostAlloc; else cudaHostRegister; else pageable memory, with one
 // loud warning: copies then run at about half speed). Device memory comes from cudaMalloc,
-// once per slot. Copies run on one non-blocking copy stream; compute runs on the stream the
-// `compute_stream` function returns at each call (the LibTorch front end passes the current
-// torch stream). Ordering between them is by events only: the host never waits for compute.
+// once per slot. Copies run on one non-blocking copy stream, decodes of compressed weights on a
+// non-blocking decode stream; compute runs on the stream the `compute_stream` function returns
+// at each call (the LibTorch front end passes the current torch stream). Ordering between them
+// is by events only: the host never waits for compute.
 // Every call runs with `device` current and gives the caller's current device back, so that
 // a thread may have any device current when it calls.
 // Available when blockswap is built with BLOCKSWAP_CUDA (target blockswap::cuda).
@@ -36,7 +37,7 @@ public:
   // Throws Error naming the CUDA error when the device cannot be used, and the devices present
   // when `options.device` is not one of them.
   explicit CudaDevice(CudaDeviceOptions options = {});
-  ~CudaDevice() override; // waits for the copy stream; never throws
+  ~CudaDevice() override; // waits for the copy and decode streams; never throws
 
   // not copyable, not movable: events and buffers refer to its stream
   CudaDevice(const CudaDevice&) = delete;
@@ -53,7 +54,7 @@ public:
   // Times each copy with events around it on the copy stream; the observer is called for the
   // copies found complete at later calls into this backend (and at destruction).
   void set_copy_observer(CopyObserver observer) override;
-  // the codec's CUDA decoder (codec_decode.hpp) on the copy stream
+  // the codec's CUDA decoder (codec_decode.hpp) on the decode stream
   void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
               const codec::Parsed& parsed, int64_t tag) override;
   bool can_decode() const override;

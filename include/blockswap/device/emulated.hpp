@@ -4,8 +4,9 @@
 // OutOfMemory, as on a GPU). The compute stream is the calling thread: computing on the device
 // means computing on the host, so waiting on the compute stream blocks the caller. The copy
 // stream is a thread of its own that executes copies in order, optionally throttled to a link
-// bandwidth so that copy/compute overlap can be studied on a laptop. Released memory is
-// poisoned with NaN.
+// bandwidth so that copy/compute overlap can be studied on a laptop; the decode stream
+// (Backend::decode) is another, optionally slowed (Note [the emulated decode stream] in
+// emulated_device.cpp). Released memory is poisoned with NaN.
 #pragma once
 
 #include <cstddef>
@@ -24,12 +25,15 @@ struct EmulatedDeviceOptions {
   // host buffers are pageable (Buffer::pageable), and a copy from or to one makes the host wait
   // until it is done, as cudaMemcpyAsync does with pageable memory.
   std::size_t pinnable_bytes = std::numeric_limits<std::size_t>::max();
+  // decode throughput in GB/s of decoded bytes: each decode waits that long before it writes,
+  // so that a read that does not wait for it shows; 0 = as fast as the decoder
+  double decode_gbps = 0;
 };
 
 class EmulatedDevice final : public Backend {
 public:
   explicit EmulatedDevice(EmulatedDeviceOptions options = {});
-  ~EmulatedDevice() override; // finishes the copies already enqueued, then stops the thread
+  ~EmulatedDevice() override; // finishes the work already enqueued, then stops the threads
 
   // not copyable, not movable: the copy thread refers to this object's state
   EmulatedDevice(const EmulatedDevice&) = delete;

@@ -1,8 +1,9 @@
 // TimedDevice: a device modelled in time only, for measuring the engine and its schedules the
 // same on any machine.
 //
-// It has two real streams (a compute thread and a copy thread, each running its work in order)
-// and real events between them and the host, so the engine's own synchronisation runs as it
+// It has real streams (a compute thread, a copy thread and a decode thread, each running its
+// work in order; LinkModel::decode_stream false runs the decodes on the copy thread) and real
+// events between them and the host, so the engine's own synchronisation runs as it
 // does on a GPU. What the work costs is modelled, not measured: a computation enqueued with
 // compute() occupies the compute stream for the time it is given, and a copy occupies the copy
 // stream for LinkModel::seconds(bytes). No byte is copied and no memory bus is shared, so the
@@ -71,7 +72,8 @@ public:
   void copy_to_host(std::byte* host, const std::byte* device, std::size_t bytes,
                     int64_t tag) override;
   void set_copy_observer(CopyObserver observer) override;
-  // the copy stream busy for LinkModel::decode_seconds of the decoded bytes
+  // the decode stream busy for LinkModel::decode_seconds of the decoded bytes (the copy stream
+  // where !LinkModel::decode_stream)
   void decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
               const codec::Parsed& parsed, int64_t tag) override;
   bool can_decode() const override;
@@ -94,14 +96,15 @@ public:
   void compute(double seconds, int64_t tag = -1);
   // The host's clock now, in device seconds.
   double now() const;
-  // Blocks the host until both streams have run everything enqueued; returns the device time
+  // Blocks the host until every stream has run everything enqueued; returns the device time
   // the last of that work ended (and moves the host's clock there).
   double finish();
   // The computations run since the last call, in order.
   std::vector<ComputeRecord> take_compute_log();
   // Device seconds the copy stream has spent copying.
   double link_busy_seconds() const;
-  // Device seconds the copy stream has spent decoding compressed weights (Backend::decode).
+  // Device seconds spent decoding compressed weights (Backend::decode), on the decode stream,
+  // or the copy stream where !LinkModel::decode_stream (not in link_busy_seconds either way).
   double decode_busy_seconds() const;
 
   // Offloaded activations (Note [offloaded activations] in core/activation_rule.hpp):

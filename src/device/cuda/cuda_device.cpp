@@ -73,12 +73,13 @@ std::once_flag allocated_pageable, shared_pageable;
 struct CudaDevice::State {
   CudaDeviceOptions options;
   cuda::StreamHandle copy;
+  cuda::StreamHandle decode; // Stream::decode (Note [decoding on the decode stream])
   mutable std::mutex mutex;
   std::size_t device_bytes = 0;
   std::size_t peak_device_bytes = 0;
   bool pinned = true;
   std::optional<cuda::CopyTimer> copies; // Note [timed copies] in cuda_copy_timer.hpp
-  // Note [decoding on the copy stream]: the decoder's workspace (device), the damage word of
+  // Note [decoding on the decode stream]: the decoder's workspace (device), the damage word of
   // the last decode (page-locked host memory) and the first damage its check found.
   Buffer decode_workspace;
   uint32_t* damage_word = nullptr;
@@ -95,7 +96,17 @@ struct CudaDevice::State {
   cudaStream_t compute() const {
     return options.compute_stream ? options.compute_stream() : nullptr;
   }
-  cudaStream_t stream(Stream s) const { return s == Stream::copy ? copy.get() : compute(); }
+  cudaStream_t stream(Stream s) const {
+    switch (s) {
+    case Stream::copy:
+      return copy.get();
+    case Stream::decode:
+      return decode.get();
+    case Stream::compute:
+      break;
+    }
+    return compute();
+  }
 };
 
 bool CudaDevice::available() {
@@ -111,13 +122,15 @@ CudaDevice::CudaDevice(CudaDeviceOptions options) : state_(std::make_shared<Stat
                   "cuda:", state_->options.device, " does not exist: ", count,
                   " CUDA device(s) present");
   state_->copy = cuda::StreamHandle(state_->options.device);
+  state_->decode = cuda::StreamHandle(state_->options.device);
   state_->copies.emplace(state_->options.device);
 }
 
-// The copy stream finishes its copies, then goes (StreamHandle::reset logs what fails).
+// The decode and copy streams finish their work, then go (StreamHandle::reset logs what fails).
 CudaDevice::~CudaDevice() {
   try {
     DeviceScope scope(state_->options.device);
+    state_->decode.reset();
     state_->copy.reset();
     state_->copies->report();
     state_->decode_workspace.reset();
@@ -342,17 +355,20 @@ void CudaDevice::synchronize(const Event& event) {
   state_->rethrow_decode_error();
 }
 
-// Note [decoding on the copy stream]
+// Note [decoding on the decode stream]
 // A compressed block (core/codec.hpp) is decoded where it lands: the codec's kernels
-// (codec_decode.cu) run on the copy stream after the copy of its compressed bytes, so the
-// block's load event, recorded after them, orders compute after the decode as after a copy.
-// The kernels leave a damage word in the workspace; the copy stream then fills a damaged
-// block's slot with NaN (a computation that reads it before the host hears of it reads NaN,
-// never a wrong weight), copies the word to page-locked host memory and, in a host function,
-// turns a word that is not 0 into the Error that the host's next synchronize() throws. The GPU's
+// (codec_decode.cu) run on the decode stream, a non-blocking stream of their own, after the
+// copy of its compressed bytes (an event of the copy stream the load pipeline makes the decode
+// stream wait for, Note [a decode step] in load_pipeline.cpp), so that they overlap the next
+// copy; the block's load event, recorded after them on the decode stream, orders compute after
+// the decode as after a copy. The kernels leave a damage word in the workspace; the decode
+// stream then fills a damaged block's slot with NaN (a computation that reads it before the
+// host hears of it reads NaN, never a wrong weight), copies the word to page-locked host memory
+// and, in a host function, turns a word that is not 0 into the Error that the host's next
+// synchronize() throws. The GPU's
 // compute stream does not make the host wait, so on CUDA that Error comes at the next host
 // synchronisation (the engine's synchronize or prepare, the host step), not at the block's
-// wait as on the emulated device. One workspace and one word: the copy stream runs in order.
+// wait as on the emulated device. One workspace and one word: the decode stream runs in order.
 void CudaDevice::decode(std::byte* out, const std::byte* compressed, std::size_t bytes,
                         const codec::Parsed& parsed, int64_t tag) {
 #if BLOCKSWAP_HAS_CODEC_CUDA
@@ -360,8 +376,8 @@ void CudaDevice::decode(std::byte* out, const std::byte* compressed, std::size_t
   DeviceScope scope(state_->options.device);
   const std::size_t workspace = cuda_codec::workspace_bytes(parsed);
   if (state_->decode_workspace.size() < workspace) {
-    // The old one may be in use by a decode in flight: freed after the copy stream is done.
-    BLOCKSWAP_CUDA_CHECK(cudaStreamSynchronize(state_->copy.get()));
+    // The old one may be in use by a decode in flight: freed after the decode stream is done.
+    BLOCKSWAP_CUDA_CHECK(cudaStreamSynchronize(state_->decode.get()));
     state_->decode_workspace = allocate_device(workspace);
   }
   if (state_->damage_word == nullptr) {
@@ -370,11 +386,12 @@ void CudaDevice::decode(std::byte* out, const std::byte* compressed, std::size_t
     state_->damage_word = static_cast<uint32_t*>(word);
   }
   void* ws = state_->decode_workspace.data();
-  cuda_codec::decode_async(parsed, compressed, out, ws, state_->copy.get());
-  cuda_codec::poison_if_damaged_async(ws, out, parsed.decoded_bytes, state_->copy.get());
-  BLOCKSWAP_CUDA_CHECK(cudaMemcpyAsync(state_->damage_word, ws, sizeof(uint32_t),
-                                       cudaMemcpyDeviceToHost, state_->copy.get()));
-  wait_host(Stream::copy, [state = state_, tag] {
+  cudaStream_t stream = state_->decode.get();
+  cuda_codec::decode_async(parsed, compressed, out, ws, stream);
+  cuda_codec::poison_if_damaged_async(ws, out, parsed.decoded_bytes, stream);
+  BLOCKSWAP_CUDA_CHECK(
+      cudaMemcpyAsync(state_->damage_word, ws, sizeof(uint32_t), cudaMemcpyDeviceToHost, stream));
+  wait_host(Stream::decode, [state = state_, tag] {
     const uint32_t damage = *state->damage_word;
     if (damage == 0) return;
     try {

@@ -18,194 +18,29 @@
 #include "blockswap/core/error.hpp"
 #include "blockswap/core/layout.hpp"
 #include "blockswap/core/log.hpp"
-#include "device_account.hpp"
+#include "emulated_streams.hpp"
 
 namespace blockswap {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using emulated::EmulatedEvent;
+using emulated::Mark;
+using emulated::poison_bytes;
+using emulated::Task;
 using layout::kAlignment; // as cudaMalloc: every tensor dtype is aligned
 
-// One recording of an event: done once the stream reaches it.
-struct Mark {
-  bool done = false;
-  std::exception_ptr error;
-};
-
-class EmulatedEvent final : public Event {
-public:
-  std::shared_ptr<Mark> mark = std::make_shared<Mark>(Mark{true, nullptr});
-};
-
-struct Task {
-  enum class Kind { copy, poison, wait, record, host, decode };
-  Kind kind = Kind::copy;
-  std::byte* dst = nullptr;
-  const std::byte* src = nullptr;
-  std::size_t bytes = 0;
-  std::shared_ptr<Mark> mark;
-  bool fail = false;
-  bool to_device = true;
-  int64_t tag = -1;
-  bool throws = false;
-  std::size_t fail_after = 0;            // with `fail`: the bytes copied before the failure
-  std::function<void()> until = nullptr; // host: Backend::wait_host's
-  std::size_t decoded = 0;               // decode: the bytes it writes at `dst`
-};
-
-void poison_bytes(std::byte* data, std::size_t bytes) {
-  // 0xFF in every byte is a NaN in float32, float16 and bfloat16 alike.
-  std::memset(data, 0xFF, bytes);
-}
-
 } // namespace
-
-struct EmulatedDevice::State {
-  EmulatedDeviceOptions options;
-
-  mutable std::mutex mutex;
-  std::condition_variable changed; // queue grew, a mark completed, or stopping
-  std::deque<Task> queue;
-  bool stopping = false;
-  std::exception_ptr pending_error; // a failed copy, waiting for the next record
-  std::size_t copies_until_failure = std::numeric_limits<std::size_t>::max();
-  std::size_t failure_copies_bytes = 0; // how much of the failing copy happens first
-  std::size_t copies_until_throw = std::numeric_limits<std::size_t>::max();
-  double copy_seconds = 0;
-  CopyObserver observer;
-  std::size_t pinned_bytes = 0;                     // host memory page-locked (emulated)
-  std::map<const std::byte*, std::size_t> pageable; // pageable host buffers: start, size
-  std::size_t pageable_copies = 0;
-
-  bool is_pageable(const std::byte* host) const { // under `mutex`
-    auto it = pageable.upper_bound(host);
-    if (it == pageable.begin()) return false;
-    --it;
-    return host < it->first + it->second;
-  }
-
-  host::DeviceAccount account; // capacity set by the constructor
-
-  std::thread thread;
-
-  void enqueue(Task task) {
-    {
-      std::lock_guard lock(mutex);
-      if (task.kind == Task::Kind::copy && copies_until_failure-- == 0) {
-        task.fail = true;
-        task.fail_after = failure_copies_bytes;
-      }
-      if (task.kind == Task::Kind::copy && copies_until_throw-- == 0) task.throws = true;
-      queue.push_back(std::move(task));
-    }
-    changed.notify_all();
-  }
-
-  void run() {
-    std::unique_lock lock(mutex);
-    for (;;) {
-      changed.wait(lock, [&] { return stopping || !queue.empty(); });
-      if (queue.empty()) return; // stopping, and everything enqueued is done
-      Task task = std::move(queue.front());
-      queue.pop_front();
-      try {
-        execute(task, lock);
-      } catch (...) {
-        // Whatever a task throws goes to the next waiter, as a failed copy does; the copy
-        // stream carries on.
-        if (!lock.owns_lock()) lock.lock();
-        pending_error = std::current_exception();
-      }
-    }
-  }
-
-  // Runs one task; `lock` is held on entry and on a normal return.
-  void execute(Task& task, std::unique_lock<std::mutex>& lock) {
-    switch (task.kind) {
-    case Task::Kind::wait:
-      changed.wait(lock, [&] { return task.mark->done; });
-      break;
-    case Task::Kind::record:
-      task.mark->error = std::exchange(pending_error, nullptr);
-      task.mark->done = true;
-      changed.notify_all();
-      break;
-    case Task::Kind::host:
-      lock.unlock();
-      task.until();
-      lock.lock();
-      break;
-    case Task::Kind::decode:
-      lock.unlock(); // a damaged block throws: run() makes it the next waiter's error
-      codec::decode(std::span<const std::byte>(task.src, task.bytes),
-                    std::span<std::byte>(task.dst, task.decoded));
-      lock.lock();
-      break;
-    case Task::Kind::poison:
-      lock.unlock();
-      poison_bytes(task.dst, task.bytes);
-      lock.lock();
-      break;
-    case Task::Kind::copy: {
-      if (task.fail) {
-        lock.unlock();
-        std::memcpy(task.dst, task.src, std::min(task.fail_after, task.bytes));
-        lock.lock();
-        pending_error = std::make_exception_ptr(Error(
-            detail::concat("emulated device: injected failure of a ", task.bytes, "-byte copy")));
-        break;
-      }
-      lock.unlock();
-      if (task.throws) throw Error("emulated device: injected exception in the copy thread");
-      const auto start = Clock::now();
-      copy_paced(task, start);
-      const auto end = Clock::now();
-      lock.lock();
-      copy_seconds += std::chrono::duration<double>(end - start).count();
-      if (observer) {
-        const CopyObserver notify = observer;
-        lock.unlock();
-        notify(CopyRecord{task.to_device, task.bytes, task.tag, start, end});
-        lock.lock();
-      }
-      break;
-    }
-    }
-  }
-
-  // Copies at the link's pace, chunk by chunk, so that a reader that does not wait sees a
-  // partial copy for the whole duration of the transfer, as on a real link.
-  void copy_paced(const Task& task, Clock::time_point start) const {
-    if (options.link_gbps <= 0) {
-      std::memcpy(task.dst, task.src, task.bytes);
-      return;
-    }
-    constexpr std::size_t kChunk = std::size_t{1} << 20;
-    for (std::size_t done = 0; done < task.bytes;) {
-      const std::size_t n = std::min(kChunk, task.bytes - done);
-      std::memcpy(task.dst + done, task.src + done, n);
-      done += n;
-      const std::chrono::duration<double> due(done / (options.link_gbps * 1e9));
-      std::this_thread::sleep_until(start + std::chrono::duration_cast<Clock::duration>(due));
-    }
-  }
-
-  std::shared_ptr<Mark> wait_mark(const Event& event) {
-    const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
-    BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
-    std::shared_ptr<Mark> mark = emulated->mark;
-    std::unique_lock lock(mutex);
-    changed.wait(lock, [&] { return mark->done; });
-    return mark;
-  }
-};
 
 EmulatedDevice::EmulatedDevice(EmulatedDeviceOptions options) : state_(std::make_shared<State>()) {
   BLOCKSWAP_CHECK(options.link_gbps >= 0, "emulated device: link_gbps must be >= 0, got ",
                   options.link_gbps);
+  BLOCKSWAP_CHECK(options.decode_gbps >= 0, "emulated device: decode_gbps must be >= 0, got ",
+                  options.decode_gbps);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
-  state_->thread = std::thread([state = state_.get()] { state->run(); });
+  for (int on : {State::kCopy, State::kDecode}) {
+    state_->lanes[on].thread = std::thread([state = state_.get(), on] { state->run(on); });
+  }
 }
 
 EmulatedDevice::~EmulatedDevice() {
@@ -214,7 +49,7 @@ EmulatedDevice::~EmulatedDevice() {
     state_->stopping = true;
   }
   state_->changed.notify_all();
-  state_->thread.join();
+  for (State::Lane& lane : state_->lanes) lane.thread.join();
 }
 
 std::string EmulatedDevice::name() const {
@@ -323,7 +158,7 @@ void EmulatedDevice::decode(std::byte* out, const std::byte* compressed, std::si
   task.bytes = bytes;
   task.tag = tag;
   task.decoded = parsed.decoded_bytes;
-  state_->enqueue(std::move(task));
+  state_->enqueue(std::move(task), State::kDecode);
 }
 
 bool EmulatedDevice::can_decode() const {
@@ -352,7 +187,8 @@ void EmulatedDevice::record(Event& event, Stream stream) {
     return;
   }
   emulated->mark = std::make_shared<Mark>();
-  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, emulated->mark, false});
+  state_->enqueue(Task{Task::Kind::record, nullptr, nullptr, 0, emulated->mark, false},
+                  State::lane(stream));
 }
 
 void EmulatedDevice::wait(Stream stream, const Event& event) {
@@ -362,7 +198,8 @@ void EmulatedDevice::wait(Stream stream, const Event& event) {
   }
   const auto* emulated = dynamic_cast<const EmulatedEvent*>(&event);
   BLOCKSWAP_CHECK(emulated != nullptr, "emulated device: the event was not made by this backend");
-  state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false});
+  state_->enqueue(Task{Task::Kind::wait, nullptr, nullptr, 0, emulated->mark, false},
+                  State::lane(stream));
 }
 
 void EmulatedDevice::wait_host(Stream stream, std::function<void()> until) {
@@ -373,7 +210,7 @@ void EmulatedDevice::wait_host(Stream stream, std::function<void()> until) {
   Task task;
   task.kind = Task::Kind::host;
   task.until = std::move(until);
-  state_->enqueue(std::move(task));
+  state_->enqueue(std::move(task), State::lane(stream));
 }
 
 void EmulatedDevice::synchronize(const Event& event) {

@@ -44,7 +44,7 @@ struct Task {
   bool copy = false; // busy: a copy (else a computation)
   bool to_device = true;
   bool activations = false; // a copy of offloaded activations: not the engine's, not observed
-  bool decode = false;      // a copy-stream task that is no copy (Backend::decode): not the link
+  bool decode = false;      // a decode (Backend::decode): not the link
   std::size_t bytes = 0;
   std::shared_ptr<Mark> mark; // wait, record
 };
@@ -79,16 +79,16 @@ Buffer reserve(std::size_t bytes) {
 } // namespace
 
 // Note [device time]
-// Each stream runs its tasks in order on its own thread and keeps its own clock, `free`: the
-// device time at which it finished its last task. A task starts at max(free, enqueued): no
-// earlier than the host enqueued it. A wait moves the clock to the awaited mark's time; a
-// record stamps its mark with the clock. The threads are woken only by a wait (the host's, or
-// a stream's for the other's mark) and at destruction, not by each enqueue. The host's clock
-// advances by the CPU time the host thread spends between its calls into the device (the engine's
-// own work counts; time the thread is not running, preempted by other processes, does not), and
-// jumps to a mark's time when the host waits for it (the threads' own wake-ups do not count
-// either). Everything is under one mutex; the threads only sleep on condition variables: their own
-// queue's, and the one for completed marks.
+// Each stream (compute, copy, the activations' channel out, decode) runs its tasks in order on its
+// own thread and keeps its own clock, `free`: the device time at which it finished its last task. A
+// task starts at max(free, enqueued): no earlier than the host enqueued it. A wait moves the clock
+// to the awaited mark's time; a record stamps its mark with the clock. The threads are woken only
+// by a wait (the host's, or a stream's for the other's mark) and at destruction, not by each
+// enqueue. The host's clock advances by the CPU time the host thread spends between its calls into
+// the device (the engine's own work counts; time the thread is not running, preempted by other
+// processes, does not), and jumps to a mark's time when the host waits for it (the threads' own
+// wake-ups do not count either). Everything is under one mutex; the threads only sleep on condition
+// variables: their own queue's, and the one for completed marks.
 struct TimedDevice::State {
   struct StreamState {
     std::deque<Task> queue;
@@ -101,9 +101,10 @@ struct TimedDevice::State {
   mutable std::mutex mutex;
   std::condition_variable marked; // a mark completed
   bool stopping = false;
-  // compute, copy, and the device->host channel of offloaded activations (copy_out_after_compute)
-  StreamState streams[3];
-  static constexpr int kActivationsOut = 2;
+  // compute, copy, the device->host channel of offloaded activations (copy_out_after_compute),
+  // and decode (Backend::decode; the copy stream's when !LinkModel::decode_stream)
+  StreamState streams[4];
+  static constexpr int kActivationsOut = 2, kDecode = 3;
   const uint64_t id = next_id.fetch_add(1) + 1;
   double host_time = 0; // the host's clock (Note [device time])
   Clock::time_point epoch = Clock::now();
@@ -112,7 +113,10 @@ struct TimedDevice::State {
   CopyObserver observer;
   host::DeviceAccount account; // capacity set by the constructor
 
-  static int index(Stream stream) { return stream == Stream::compute ? 0 : 1; }
+  int index(Stream stream) const {
+    if (stream == Stream::decode) return options.link.decode_stream ? kDecode : 1;
+    return stream == Stream::compute ? 0 : 1;
+  }
 
   // The host's clock now: it advances by the CPU time the calling thread has spent since its
   // last call into this device (the first call from a thread adds nothing).
@@ -228,7 +232,7 @@ struct TimedDevice::State {
 
   double last_compute_end = 0;
   double activations_out_busy = 0;
-  double decode_busy = 0; // the copy stream's decodes (Backend::decode)
+  double decode_busy = 0; // the decodes (Backend::decode), on whichever stream runs them
   double disk_busy = 0;
   double disk_free = 0; // one disk for every engine's reader
 };
@@ -382,7 +386,7 @@ TimedDevice::TimedDevice(TimedDeviceOptions options) : state_(std::make_shared<S
                   options.link.decode_bytes_per_second);
   state_->options = options;
   state_->account.capacity = options.capacity_bytes;
-  for (int s = 0; s < 3; ++s) {
+  for (int s = 0; s < 4; ++s) {
     state_->streams[s].thread = std::thread([state = state_.get(), s] { state->run(s); });
   }
 }
@@ -439,7 +443,7 @@ void TimedDevice::decode(std::byte*, const std::byte*, std::size_t, const codec:
   task.tag = tag;
   task.copy = true;
   task.decode = true;
-  state_->enqueue(Stream::copy, std::move(task));
+  state_->enqueue(Stream::decode, std::move(task));
 }
 
 bool TimedDevice::can_decode() const {
@@ -520,7 +524,7 @@ double TimedDevice::now() const {
 
 double TimedDevice::finish() {
   double end = 0;
-  for (int s = 0; s < 3; ++s) {
+  for (int s = 0; s < 4; ++s) {
     Task task;
     task.kind = Task::Kind::record;
     task.mark = std::make_shared<Mark>();
