@@ -161,6 +161,11 @@ class Offloaded:
                                f"ModelOffloader ('{held.block_type}'): close it, or the handle "
                                "of the blockswap.offload that made it, first")
         streamed = [x for x in plan.lists if x.blocks_to_swap > 0]
+        if (options.get("host_budget_bytes") is not None and streamed
+                and all(_weights_file(options, x) is None for x in streamed)):
+            raise InvalidArgumentError(
+                "blockswap.offload: host_budget_bytes needs weights_file: the blocks over the "
+                "budget are read from the model's file (the file tier, docs/guide.md)")
         # The Device's budget: what the fixed parts and the lists kept whole leave (at least
         # the streamed lists' slots; the rest is there for what else it allocates, such as
         # the activations' device buffers; with compress="on" the lists' decode buffers, which

@@ -116,6 +116,9 @@ def test_mistakes_are_errors_that_say_what_to_do():
         blockswap.offload(model, device="cpu", blocks_to_swap={"transformer_blocks": True})
     with pytest.raises(blockswap.InvalidArgumentError, match="names no list"):
         blockswap.offload(model, device="cpu", blocks_to_swap={})
+    with pytest.raises(blockswap.InvalidArgumentError, match="host_budget_bytes needs weights_file"):
+        blockswap.offload(model, device="cpu", host_budget_bytes=1000,  # was ignored (a tester)
+                          blocks_to_swap={"transformer_blocks": 2, "single_transformer_blocks": 2})
     with pytest.raises(blockswap.InvalidArgumentError, match="each block streams in one list"):
         blockswap.offload(model, device_budget="1GB", device="cpu",
                           block_lists=["transformer_blocks", "transformer_blocks"])
