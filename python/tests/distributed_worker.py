@@ -62,9 +62,12 @@ def train(rank, scenario, swapped, group, first):
                         p.fill_(7.0)
         # "activations": each rank also offloads what its blocks save for backward
         offload = scenario == "activations"
+        # "compressed": the node's one copy holds the frozen weights compressed
+        compress = "on" if scenario == "compressed" else "off"
         model.offloader = blockswap.ModelOffloader(
             "block", model.blocks, BLOCKS, SWAPPED, True, "cpu", False,
-            process_group=group, offload_activations=offload, activation_threshold_bytes=0)
+            process_group=group, offload_activations=offload, activation_threshold_bytes=0,
+            compress=compress)
         if scenario != "forgot_exclude":
             model.offloader.exclude_from_ddp(model)
     # a bucket per few adapters
@@ -83,8 +86,13 @@ def train(rank, scenario, swapped, group, first):
         stats = model.offloader.stats()
         assert stats["activation_offloaded_bytes"] > 0, stats
         assert stats["activation_restored_bytes"] == stats["activation_offloaded_bytes"], stats
+    if model.offloader is not None and scenario == "compressed":
+        use_compression = model.offloader.compression()
+        use_stats = model.offloader.stats()
     dist.barrier()  # every rank maps the node's memory now
     use = blockswap.node_memory_use()
+    if model.offloader is not None and scenario == "compressed":
+        use = dict(use, compression=use_compression, decoded_bytes=use_stats["decoded_bytes"])
     dist.barrier()
     if model.offloader is not None:
         model.offloader.close()

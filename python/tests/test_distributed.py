@@ -53,6 +53,24 @@ def test_every_rank_trains_exactly_on_one_host_copy(tmp_path, world):
     assert private < 0.1 * results[0]["copy_bytes"]
 
 
+def test_every_rank_trains_exactly_on_one_compressed_copy(tmp_path):
+    """compress="on" with process_group=: local rank 0 compresses the node's copy once; every
+    rank maps it (fewer bytes than the raw weights), decodes it at each load, and trains
+    exactly."""
+    codes, results, errors = run_job(tmp_path, 2, "compressed")
+    assert codes == [0, 0], errors
+    for r in results:
+        assert "error" not in r, r["error"]
+        assert r["exact"], "blockswap's adapters differ from the job's without it"
+        assert r["same_as_rank0"], "the ranks' adapters differ"
+        compression = r["use"]["compression"]
+        assert compression["blocks"] > 0 and compression["ratio"] > 1.05, compression
+        assert r["use"]["decoded_bytes"] > 0
+        # the node's memory this rank maps: the compressed copy, not the raw one
+        mapped = r["use"]["shared_bytes"] + r["use"]["private_bytes"]
+        assert 0 < mapped < r["copy_bytes"], (mapped, r["copy_bytes"])
+
+
 def test_every_rank_offloads_its_own_activations_exactly(tmp_path):
     codes, results, errors = run_job(tmp_path, 2, "activations")
     assert codes == [0, 0], errors

@@ -83,7 +83,8 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
       is_forward_only_(!options_.supports_backward), slot_bytes_(layout::slot_bytes(block_bytes)),
       priority_((check_backend(backend_, label_), host_priority(block_bytes.size(), options_))),
       store_(backend_, block_bytes, options_.trainable_bytes, options_.host_memory, label_,
-             blocks_in_file(block_bytes, priority_, options_), priority_),
+             blocks_in_file(block_bytes, priority_, options_), priority_,
+             options_.host_memory_compressed),
       loads_(backend_, store_, options_.file, priority_, slot_bytes_, label_, [this] {
         if (listener_ != nullptr) listener_->on_file_failed();
       }) {
@@ -109,6 +110,13 @@ Engine::Impl::Impl(std::shared_ptr<Backend> backend, std::vector<std::size_t> bl
                   block_bytes.size(),
                   " blocks' compressed size (EngineOptions::modelled_compressed_bytes), got ",
                   options_.modelled_compressed_bytes.size());
+  BLOCKSWAP_CHECK(options_.compress == Compress::on ||
+                      std::all_of(options_.host_memory_compressed.begin(),
+                                  options_.host_memory_compressed.end(),
+                                  [](std::size_t bytes) { return bytes == 0; }),
+                  "[", label_,
+                  "] EngineOptions::host_memory_compressed says blocks are compressed, which "
+                  "only compress on decodes: turn it on");
   BLOCKSWAP_CHECK(options_.compress != Compress::on || backend_->can_decode(), "[", label_, "] ",
                   backend_->name(),
                   " cannot decode compressed weights (a CUDA build without nvcc has no decoder): "
@@ -238,6 +246,9 @@ bool Engine::replace_frozen(int64_t block, std::span<const std::byte> raw) {
   HostStore& store = impl_->store_;
   BLOCKSWAP_CHECK(store.compressed(block) && impl_->backend_->holds_data(), "[", impl_->label_,
                   "] block ", block, "'s frozen bytes are not stored compressed");
+  BLOCKSWAP_CHECK(!store.caller_memory(), "[", impl_->label_, "] block ", block,
+                  "'s host copy is the caller's (EngineOptions::host_memory), which the engine "
+                  "never writes: change its frozen bytes where it was filled");
   BLOCKSWAP_CHECK(raw.size() == store.frozen_bytes(block), "[", impl_->label_, "] block ", block,
                   " has ", store.frozen_bytes(block), " frozen bytes, not ", raw.size());
   // Note [changed compressed weights]: no copy may read the old buffer or write it.

@@ -11,7 +11,8 @@ namespace blockswap {
 HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
                      const std::vector<std::size_t>& trainable_bytes,
                      std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
-                     const std::vector<bool>& in_file, const std::vector<int64_t>& order)
+                     const std::vector<bool>& in_file, const std::vector<int64_t>& order,
+                     const std::vector<std::size_t>& memory_compressed)
     : backend_(std::move(backend)), caller_memory_(!memory.empty()) {
   const std::size_t n = block_bytes.size();
   BLOCKSWAP_CHECK(memory.empty() || memory.size() == n, "[", label, "] host_memory has ",
@@ -19,6 +20,10 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
   BLOCKSWAP_CHECK(trainable_bytes.empty() || trainable_bytes.size() == n, "[", label,
                   "] trainable_bytes has ", trainable_bytes.size(), " entries for ", n,
                   " blocks: give one per block, or none");
+  BLOCKSWAP_CHECK(memory_compressed.empty() || (caller_memory_ && memory_compressed.size() == n),
+                  "[", label, "] host_memory_compressed has ", memory_compressed.size(),
+                  " entries for ", n, " blocks", caller_memory_ ? "" : " and no host_memory",
+                  ": give one per block of host_memory, or none");
   BLOCKSWAP_CHECK(in_file.empty() || in_file.size() == n, "[", label, "] the file tier has ",
                   in_file.size(), " entries for ", n, " blocks: give one per block, or none");
   blocks_.resize(n);
@@ -40,12 +45,16 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
     }
     if (!caller_memory_) continue; // allocated below
     block.host = std::move(memory[i]);
-    BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label,
-                    "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
-                    block.bytes, " bytes");
     BLOCKSWAP_CHECK(block.trainable == 0, "[", label, "] block ", i,
                     " has trainable bytes, which cannot live in host memory the engine does "
                     "not own (EngineOptions::host_memory)");
+    if (!memory_compressed.empty() && memory_compressed[i] > 0) {
+      caller_compressed(i, memory_compressed[i], label);
+      continue;
+    }
+    BLOCKSWAP_CHECK(block.host != nullptr && block.host->size() >= block.bytes, "[", label,
+                    "] EngineOptions::host_memory of block ", i, " holds fewer than its ",
+                    block.bytes, " bytes");
   }
   if (caller_memory_) return;
   // In `order` (pinned memory may run out: the first blocks get it), then any left out.
@@ -58,6 +67,25 @@ HostStore::HostStore(std::shared_ptr<Backend> backend, const std::vector<std::si
     if (block.in_file || block.host) continue;
     block.host = std::make_shared<Buffer>(backend_->allocate_host(block.bytes));
   }
+}
+
+// Note [compressed host copies]: the caller's memory, compressed by whoever filled it (the
+// node-shared copy, Note [compressed node-shared copy] in torch/node_sharing.cpp). Its
+// structure is checked here, its bits at each decode (the checksum).
+void HostStore::caller_compressed(std::size_t block, std::size_t compressed,
+                                  const std::string& label) {
+  Block& b = blocks_[block];
+  BLOCKSWAP_CHECK(b.host != nullptr && b.host->size() >= compressed, "[", label,
+                  "] EngineOptions::host_memory of block ", block, " holds fewer than its ",
+                  compressed, " compressed bytes");
+  auto parsed = std::make_shared<const codec::Parsed>(
+      codec::parse(std::span<const std::byte>(b.host->data(), compressed)));
+  BLOCKSWAP_CHECK(parsed->decoded_bytes == b.bytes, "[", label, "] block ", block,
+                  "'s compressed bytes in EngineOptions::host_memory decode to ",
+                  parsed->decoded_bytes, " bytes, not its ", b.bytes);
+  b.parsed = std::move(parsed);
+  b.compressed = compressed;
+  b.trainable_at = layout::align_up(compressed);
 }
 
 void HostStore::reallocate(int64_t block, const std::function<void()>& meanwhile) {
@@ -80,7 +108,9 @@ void HostStore::reallocate(int64_t block, const std::function<void()>& meanwhile
 // - the blocks in the file and in pageable memory: the staging ring's reader was given their
 //   raw addresses and sizes when the load pipeline was built (core/staging_ring.hpp), before the
 //   caller filled them; they stay raw for now (the file tier reads the file as it is);
-// - the caller's memory (the node-shared copy): the store never writes it;
+// - the caller's memory: the store never writes it; its filler compresses it instead, once,
+//   for every process that maps it (EngineOptions::host_memory_compressed: the node-shared
+//   copy, Note [compressed node-shared copy] in torch/node_sharing.cpp);
 // - a block whose new buffer the system would not pin: a copy from it could not overlap.
 bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
   Block& b = blocks_[block];

@@ -32,6 +32,10 @@ void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges
                   "turn compression off");
   std::size_t largest = 0;
   for (int64_t b = 0; b < store_.blocks(); ++b) {
+    if (store_.compressed(b)) { // the caller's memory, compressed by its filler
+      largest = std::max(largest, store_.stored_frozen_bytes(b));
+      continue;
+    }
     if (store_.caller_memory() || staged(b) || store_.tier(b) != HostStore::Tier::pinned) continue;
     const bool shrank =
         model ? store_.model_compressed(b, modelled[b]) : store_.compress(b, ranges[b]);

@@ -50,7 +50,12 @@ CompressionChoice choose_compression(const Options& options,
   if (options.algorithm == Algorithm::seed) {
     return {false, "the seed's replay copies every block back to host memory"};
   }
-  if (options.node_sharing) return {false, "the node-shared host copy is not compressed yet"};
+  // Every rank of the node must agree (Note [compressed node-shared copy]), and what each would
+  // measure of its host memory differs.
+  if (options.node_sharing) {
+    return {false, "with node sharing the node's ranks must agree, and auto decides per "
+                   "process: pass compress='on' to compress the node's copy"};
+  }
   CompressionFacts facts;
   facts.can_decode = can_decode;
   double compressed = 0;

@@ -96,6 +96,19 @@ void BlockBinder::zero_padding(const BlockLayout& layout, std::byte* packed) {
   if (layout.bytes > at) std::memset(packed + at, 0, layout.bytes - at);
 }
 
+void BlockBinder::pack_block(int64_t block, std::byte* into, TierViews::Fill fill) const {
+  zero_padding(layouts_[block], into);
+  for (const PackedTensor& t : layouts_[block].tensors) {
+    if (fill == TierViews::Fill::all_but_frozen && t.role == Role::frozen) continue;
+    if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
+      std::memset(into + t.offset, 0, c10::multiply_integers(t.sizes) * c10::elementSize(t.dtype));
+      continue;
+    }
+    const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
+    std::memcpy(into + t.offset, source.data_ptr(), source.numel() * source.element_size());
+  }
+}
+
 void BlockBinder::pack(Engine& engine, HostCopies copies) {
   const c10::InferenceMode normal(false); // Note [inference mode]
   shared_ = copies != HostCopies::own;
@@ -106,23 +119,18 @@ void BlockBinder::pack(Engine& engine, HostCopies copies) {
     trainable_hosts_.push_back(HostRegion{hosts.back(), layouts_[b].trainable_offset});
   }
   views_.use_host_copies(hosts);
+  for (std::size_t b = 0; b < layouts_.size(); ++b) { // compressed by their filler
+    const auto block = static_cast<int64_t>(b);
+    if (copies == HostCopies::shared_filled && engine.compressed(block)) {
+      views_.use_compressed(block, hosts[b], engine.host_frozen_bytes(block));
+    }
+  }
   // First the copies, which may fail: nothing the caller sees changes until they are done.
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
     if (copies == HostCopies::shared_filled) continue;
     const TierViews::Fill fill = views_.fill_host_copy(static_cast<int64_t>(b));
     if (fill == TierViews::Fill::nothing) continue;
-    zero_padding(layouts_[b], hosts[b]->data());
-    for (const PackedTensor& t : layouts_[b].tensors) {
-      if (fill == TierViews::Fill::all_but_frozen && t.role == Role::frozen) continue;
-      if (t.role == Role::state) { // zeros, like the optimizers' state before their first step
-        const at::Tensor zeros = host_view(static_cast<int64_t>(b), t);
-        std::memset(zeros.data_ptr(), 0, zeros.numel() * zeros.element_size());
-        continue;
-      }
-      const at::Tensor source = t.variable.detach().to(at::kCPU).contiguous();
-      std::memcpy(hosts[b]->data() + t.offset, source.data_ptr(),
-                  source.numel() * source.element_size());
-    }
+    pack_block(static_cast<int64_t>(b), hosts[b]->data(), fill);
   }
   claim(layouts_);
   for (std::size_t b = 0; b < layouts_.size(); ++b) {
@@ -191,6 +199,12 @@ bool BlockBinder::compressed_change(int64_t block, PackedTensor& t) {
   if (t.role != Role::frozen || !views_.compressed(block) || engine_ == nullptr) return false;
   const at::Tensor& now = t.variable;
   const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
+  if (shared_) { // the node's copy is never written: the caller's Error says so
+    if (!bound_[block][index].on_device && now.numel() == 0) {
+      bind(block, index, host_view(block, t), false); // its true values again
+    }
+    return false;
+  }
   if (now.sizes().vec() != t.sizes || now.scalar_type() != t.dtype) {
     if (bound_[block][index].on_device || now.numel() != 0) return false; // replaced: raised
     bind(block, index, host_view(block, t), false);
@@ -257,11 +271,6 @@ std::vector<std::pair<at::Tensor, at::Tensor>> BlockBinder::frozen_values(int64_
 void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
   const at::Tensor& now = t.variable;
   if (compressed_change(block, t)) return;
-  BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
-                  "] tensor '", t.name, "' of block ", block, " was replaced by one of shape ",
-                  now.sizes(), " and dtype ", now.scalar_type(), " where the block has ",
-                  at::IntArrayRef(t.sizes), " and ", t.dtype,
-                  ": a swapped block's tensors keep their shape and dtype");
   BLOCKSWAP_CHECK(!shared_ || t.role != Role::frozen, "[", label_, "] frozen tensor '", t.name,
                   "' of block ", block,
                   " was changed, but its host copy is the node's, shared by every rank "
@@ -269,6 +278,11 @@ void BlockBinder::save_changes(int64_t block, PackedTensor& t) {
                   "offloader (on local rank 0, whose weights every rank reads); with "
                   "DistributedDataParallel, which broadcasts every parameter when it is built, "
                   "make it ignore the swapped ones (docs/distributed.md)");
+  BLOCKSWAP_CHECK(now.sizes().vec() == t.sizes && now.scalar_type() == t.dtype, "[", label_,
+                  "] tensor '", t.name, "' of block ", block, " was replaced by one of shape ",
+                  now.sizes(), " and dtype ", now.scalar_type(), " where the block has ",
+                  at::IntArrayRef(t.sizes), " and ", t.dtype,
+                  ": a swapped block's tensors keep their shape and dtype");
   // Note [changes to the file tier] in tier_views.cpp
   if (views_.read_only(block) && t.role == Role::frozen) {
     const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());

@@ -45,6 +45,11 @@ public:
   // shared_filled), then points them at those copies and claims them. All or nothing: when it
   // throws, no tensor has changed.
   void pack(Engine& engine, HostCopies copies = HostCopies::own);
+  // Block i's packed bytes, as pack() writes them into its host copy (`fill`: which of its
+  // tensors), written into `into` (the block's bytes long): for whoever fills host memory
+  // before the engine exists (the node-shared copy, compressed: node_sharing.hpp).
+  void pack_block(int64_t block, std::byte* into,
+                  TierViews::Fill fill = TierViews::Fill::everything) const;
   // After Engine::compress: the blocks it compressed have new host copies (Note [compressed
   // frozen views] in tier_views.cpp); their tensors are bound again (frozen ones to tensors with
   // no elements).

@@ -147,9 +147,11 @@ void ModelOffloader::Impl::build() {
   engine_options.debug = options_.debug;
   engine_options.log = options_.log;
   engine_options.trace = options_.trace;
-  if (share_) {
-    share_->open(binder_.layouts()); // local rank 0's memory, or a new one on local rank 0
+  if (share_) { // local rank 0's memory, or a new one on local rank 0
+    share_->open(binder_.layouts(), options_.compress == Compress::on,
+                 [this](int64_t block, std::byte* into) { binder_.pack_block(block, into); });
     engine_options.host_memory = share_->host_memory();
+    engine_options.host_memory_compressed = share_->compressed_bytes();
   }
   // Note [compressed frozen views] in tier_views.cpp: only the frozen tensors' bytes, each
   // range by its dtype; the front end's trainable bytes are never compressed.
@@ -190,9 +192,9 @@ void ModelOffloader::Impl::build() {
   if (file_) use_file();
   auto resident = resident_on(blocks_, torch_device_, fine_tuner_.enabled());
   using HostCopies = torch_frontend::BlockBinder::HostCopies;
-  const HostCopies copies = !share_           ? HostCopies::own
-                            : share_->fills() ? HostCopies::shared_fill
-                                              : HostCopies::shared_filled;
+  const HostCopies copies = !share_            ? HostCopies::own
+                            : share_->filled() ? HostCopies::shared_filled
+                                               : HostCopies::shared_fill;
   binder_.pack(*engine_, copies); // it changes nothing when it fails
   try {
     engine_->allocate_slots(); // Note [slots after packing]

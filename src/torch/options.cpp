@@ -89,9 +89,6 @@ void Options::check(const std::string& label, int64_t blocks) const {
   BLOCKSWAP_CHECK_ARGUMENT(compress != Compress::on || algorithm != Algorithm::seed, at,
                            "the seed's replay copies every block back to host memory, which "
                            "compressed host copies (compress on) do not allow");
-  BLOCKSWAP_CHECK_ARGUMENT(compress != Compress::on || !node_sharing, at,
-                           "compress on with node_sharing: the node-shared host copy is not "
-                           "compressed yet; turn one of them off");
   BLOCKSWAP_CHECK_ARGUMENT(!host_budget_bytes || algorithm != Algorithm::seed, at,
                            "the seed's replay copies every block back to host memory, which the "
                            "file tier (host_budget_bytes) does not allow");

@@ -663,6 +663,24 @@ TEST(Ranks, EveryRankTrainsExactlyOnOneHostCopyOfTheSwappedWeights) {
   }
 }
 
+// --compress on: the node's one copy holds the frozen weights compressed (float32 random
+// weights: a little smaller), every rank maps fewer bytes and trains exactly.
+TEST(Ranks, ACompressedCopyIsSharedAndExact) {
+  const Result r = run_tool(std::string(kSmallRanksJob) + " --ranks 2 --compress on");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json out = json::parse(r.out);
+  EXPECT_EQ(out["max_abs_diff"].get<double>(), 0.0);
+  const uint64_t copy = out["swapped_weight_bytes"];
+  for (const auto& rank : out["rank_stats"]) {
+    EXPECT_EQ(rank["max_abs_diff"].get<double>(), 0.0);
+    EXPECT_EQ(rank["max_diff_to_rank0"].get<double>(), 0.0);
+    EXPECT_GT(rank["compression_ratio"].get<double>(), 1.05);
+    EXPECT_LT(rank["shared_host_bytes"].get<uint64_t>(), copy);
+    EXPECT_NEAR(double(rank["proportional_host_bytes"]),
+                double(copy) / rank["compression_ratio"].get<double>() / 2, 64 * 1024.0);
+  }
+}
+
 // A rank killed in the middle of a step: the others fail with a clear error well within the
 // timeout, instead of hanging, and nothing of the job is left: no process, no file, no segment.
 // --nodes: the ranks as nodes of this machine, each node one host copy shared by its ranks (as

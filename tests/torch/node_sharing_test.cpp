@@ -16,75 +16,10 @@
 
 #include "blockswap/core/node_memory.hpp"
 #include "test_model.hpp"
+#include "test_store.hpp"
 
 namespace blockswap {
 namespace {
-
-// A c10d-like store: get waits for the key until the timeout. Each offloader a process builds
-// takes the next number in its keys; the ranks here are threads of one process, so the store
-// drops that number (each test builds one offloader per rank).
-class TestStore {
-public:
-  explicit TestStore(std::chrono::milliseconds timeout = std::chrono::seconds(60))
-      : timeout_(timeout) {}
-
-  NodeSharing rank(int64_t local_rank, int64_t local_world_size, std::string group = "") {
-    NodeSharing sharing;
-    sharing.set = [this](const std::string& key, const std::string& value) {
-      std::lock_guard lock(mutex_);
-      values_[without_number(key)] = value;
-      changed_.notify_all();
-    };
-    sharing.get = [this](const std::string& key) {
-      std::unique_lock lock(mutex_);
-      const std::string k = without_number(key);
-      if (!changed_.wait_for(lock, timeout_, [&] { return values_.contains(k); })) {
-        throw std::runtime_error("timeout waiting for key " + k);
-      }
-      return values_[k];
-    };
-    sharing.local_rank = local_rank;
-    sharing.local_world_size = local_world_size;
-    sharing.group = std::move(group);
-    return sharing;
-  }
-
-private:
-  // "blockswap/<host>/[group-<g>/]<label>/<n>/<what>" without "<n>/".
-  static std::string without_number(const std::string& key) {
-    std::size_t at = 0;
-    const int slashes = key.find("/group-") != std::string::npos ? 4 : 3;
-    for (int slash = 0; slash < slashes; ++slash) at = key.find('/', at) + 1;
-    return key.substr(0, at) + key.substr(key.find('/', at) + 1);
-  }
-  std::chrono::milliseconds timeout_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  std::map<std::string, std::string> values_;
-};
-
-Options shared_options(int64_t k, NodeSharing sharing) {
-  Options o = options(k, true);
-  o.node_sharing = std::move(sharing);
-  return o;
-}
-
-// Runs f(rank) for each rank on a thread of its own; returns each one's error ("" if none).
-std::vector<std::string> on_ranks(int64_t ranks, const std::function<void(int64_t)>& f) {
-  std::vector<std::string> errors(ranks);
-  std::vector<std::thread> threads;
-  for (int64_t r = 0; r < ranks; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        f(r);
-      } catch (const std::exception& e) {
-        errors[r] = e.what();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  return errors;
-}
 
 void scramble_frozen(Model& model) {
   torch::NoGradGuard no_grad;
@@ -292,6 +227,99 @@ TEST(NodeSharing, AWriteIntoASharedFrozenWeightIsAnError) {
         forward_run_block(offloader, model, in.x, in.context);
       },
       "shared by every rank");
+}
+
+// Note [compressed node-shared copy]: with compress on, the node's one copy holds the blocks
+// compressed, made by local rank 0; every rank decodes it at each load and trains exactly as the
+// model without blockswap, with rank 0's weights (the others' own were scrambled).
+TEST(NodeSharing, EveryRankTrainsExactlyOnOneCompressedCopy) {
+  constexpr int64_t kBlocks = 5, kRanks = 2;
+  TrainingRun reference(kBlocks);
+  reference.run(
+      2, [&](torch::Tensor x, const torch::Tensor& c) { return reference.model.forward(x, c); });
+  for (int64_t k : {0, 3}) {
+    TestStore store;
+    std::vector<std::unique_ptr<TrainingRun>> runs;
+    std::vector<CompressionStats> compression(kRanks);
+    std::vector<Stats> stats(kRanks);
+    for (int64_t r = 0; r < kRanks; ++r) {
+      runs.push_back(std::make_unique<TrainingRun>(kBlocks));
+      if (r > 0) scramble_frozen(runs[r]->model);
+    }
+    const auto errors = on_ranks(kRanks, [&](int64_t r) {
+      TrainingRun& run = *runs[r];
+      Options o = shared_options(k, store.rank(r, kRanks));
+      o.compress = Compress::on;
+      ModelOffloader offloader("block", run.model.modules(), o);
+      run.run(2, [&](torch::Tensor x, const torch::Tensor& c) {
+        offloader.prepare_block_devices_before_forward();
+        return forward_run_block(offloader, run.model, x, c);
+      });
+      compression[r] = offloader.compression();
+      stats[r] = offloader.stats();
+    });
+    const std::string at = "K=" + std::to_string(k);
+    for (int64_t r = 0; r < kRanks; ++r) {
+      ASSERT_EQ(errors[r], "") << at << " rank " << r;
+      expect_same_training(reference, *runs[r], at + " rank " + std::to_string(r));
+      expect_bitwise(runs[r]->model.blocks[2]->fc1->weight, reference.model.blocks[2]->fc1->weight,
+                     at + ": frozen weight after close, rank " + std::to_string(r));
+      // Every block is stored compressed, the same on every rank, and the loads decoded it.
+      EXPECT_EQ(compression[r].blocks, kBlocks) << at;
+      EXPECT_GT(compression[r].ratio(), 1.05) << at;
+      EXPECT_EQ(compression[r].compressed_bytes, compression[0].compressed_bytes) << at;
+      EXPECT_GT(stats[r].decoded_bytes, 0u) << at << " rank " << r;
+      EXPECT_EQ(stats[r].decoded_bytes > stats[r].compressed_bytes, true) << at;
+    }
+  }
+}
+
+TEST(NodeSharing, RanksThatDisagreeOnCompressionAreAnErrorOnEveryRank) {
+  TestStore store;
+  Model a(4), b(4), reference(4);
+  const auto errors = on_ranks(2, [&](int64_t r) {
+    Options o = shared_options(2, store.rank(r, 2));
+    o.compress = r == 0 ? Compress::on : Compress::off;
+    ModelOffloader offloader("block", (r == 0 ? a : b).modules(), o);
+  });
+  EXPECT_NE(errors[1].find("the same compress option"), std::string::npos) << errors[1];
+  EXPECT_NE(errors[0].find("local rank 1 could not use"), std::string::npos) << errors[0];
+  // Local rank 0's weights are intact after its failed constructor.
+  expect_bitwise(a.blocks[1]->fc2->weight, reference.blocks[1]->fc2->weight, "rank 0's weight");
+}
+
+// The compressed copy never changes either: a write into a frozen weight, on the device or into
+// its tensor with no elements off it, raises, once; the weights stay rank 0's.
+TEST(NodeSharing, AWriteIntoACompressedSharedFrozenWeightIsAnError) {
+  TestStore store;
+  Model model(4), reference(4);
+  const Inputs in;
+  Options o = shared_options(2, store.rank(0, 1));
+  o.compress = Compress::on;
+  ModelOffloader offloader("block", model.modules(), o);
+  torch::NoGradGuard no_grad;
+  auto pass = [&] {
+    offloader.prepare_block_devices_before_forward();
+    return forward_run_block(offloader, model, in.x, in.context);
+  };
+  const torch::Tensor expected = reference.forward(in.x, in.context);
+  expect_bitwise(pass(), expected, "first pass");
+  model.blocks[3]->fc1->weight.mul_(2); // resident: the write lands in its slot
+  expect_error(pass, "shared by every rank");
+  Model other(4);
+  TestStore other_store;
+  Options o2 = shared_options(2, other_store.rank(0, 1));
+  o2.compress = Compress::on;
+  ModelOffloader second("block", other.modules(), o2);
+  auto second_pass = [&] {
+    second.prepare_block_devices_before_forward();
+    return forward_run_block(second, other, in.x, in.context);
+  };
+  expect_bitwise(second_pass(), expected, "second offloader's first pass");
+  ASSERT_EQ(other.blocks[0]->fc1->weight.numel(), 0); // swapped out: no elements off the device
+  other.blocks[0]->fc1->weight.mul_(2);               // does nothing, but bumps its version
+  expect_error(second_pass, "shared by every rank");
+  expect_bitwise(second_pass(), expected, "the pass after the error");
 }
 
 } // namespace

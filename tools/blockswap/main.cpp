@@ -286,9 +286,8 @@ int main(int argc, char** argv) {
                     "--activation-threshold applies to --offload-activations only");
     BLOCKSWAP_CHECK(run_cmd->count("--pinnable-bytes") == 0 || !run.pinnable_bytes.empty(),
                     "--pinnable-bytes needs a size (0, 64MiB, ...)");
-    BLOCKSWAP_CHECK(run.ranks == 0 || (run.compress == "off" && run.dtype == "float32"),
-                    "--ranks runs with --compress off and --dtype float32 (the node-shared copy "
-                    "is not compressed yet)");
+    BLOCKSWAP_CHECK(run.ranks == 0 || run.dtype == "float32",
+                    "--ranks runs the model in float32: leave --dtype out");
     BLOCKSWAP_CHECK(run.dtype == "float32" || run.weights.empty(),
                     "--dtype bfloat16 makes the model's own weights bfloat16; --weights files "
                     "hold float32: leave one of them out");

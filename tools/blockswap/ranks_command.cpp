@@ -91,6 +91,7 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
   options.node_sharing.group = detail::concat("node", rank / per_node);
   options.offload_activations = args.offload_activations; // each rank its own, in its process
   options.activation_threshold_bytes = parse_size(args.activation_threshold);
+  options.compress = parse_compress(args.compress); // the node's copy, compressed by its rank 0
   ModelOffloader offloader("blocks", swapped_model.modules(), options);
 
   int reductions = 0;
@@ -144,6 +145,7 @@ void run_rank(const RunArgs& args, const std::string& dir, int rank) {
       {"proportional_host_bytes", use.proportional_bytes},
       {"max_abs_diff", max_abs_diff(baseline, swapped)},
       {"max_diff_to_rank0", to_rank0},
+      {"compression_ratio", offloader.compression().ratio()},
   };
   if (args.offload_activations) {
     out["baseline_peak_activation_bytes"] = baseline.peak_activation_bytes;

@@ -69,6 +69,12 @@ struct EngineOptions {
   // engine never writes it, so its blocks may not change on the device (no trainable bytes).
   // Empty: the engine allocates every block's.
   std::vector<std::shared_ptr<Buffer>> host_memory = {};
+  // With host_memory and compress on: per block, how many bytes at the start of its host memory
+  // are its frozen bytes compressed already (codec::encode's block, which its filler made;
+  // core/codec.hpp), to decode at each load; 0: they are raw there. Empty: every block's are
+  // raw. The node-shared copy is compressed once, by the process that fills it (Note
+  // [compressed node-shared copy] in torch/node_sharing.cpp).
+  std::vector<std::size_t> host_memory_compressed = {};
   // When set, the blocks over the host budget stay in the model's file (FileTier,
   // core/load_pipeline.hpp); they may have no trainable bytes. Unset: every block is in host
   // memory.
@@ -78,7 +84,8 @@ struct EngineOptions {
   // its device copy and the slots are never on the device together.
   bool slots_at_construction = true;
   // Note [compressed host copies] in host_store.cpp. on: the frozen bytes of every block in
-  // pinned host memory of the engine's own are stored losslessly compressed (core/codec.hpp)
+  // pinned host memory of the engine's own (and those of host_memory_compressed) are stored
+  // losslessly compressed (core/codec.hpp)
   // from compress() (or the first prepare()) on, once the caller has filled them, and decoded on
   // the device at each load; a block that does not shrink stays raw. The backend must decode
   // (Backend::can_decode). automatic: off here; whoever builds the engine chooses on or off

@@ -44,12 +44,16 @@ public:
   // model's file (the file tier, which reads them for each load): the store holds no host
   // memory for it, and it may have no trainable bytes (empty: no block). `order`: the blocks
   // in the order their host memory is allocated (core/planner.hpp, host_priority: where pinned
-  // memory runs out, the first get it); the blocks it leaves out follow in block order. Throws
-  // Error naming the block and `label` for sizes that do not agree.
+  // memory runs out, the first get it); the blocks it leaves out follow in block order.
+  // `memory_compressed[i]`: how many bytes at the start of memory[i] are block i's frozen bytes
+  // as codec::encode compressed them (0: all of its bytes, raw; empty: every block's are raw).
+  // Throws Error naming the block and `label` for sizes that do not agree, or compressed bytes
+  // that are not a compressed block of its size.
   HostStore(std::shared_ptr<Backend> backend, const std::vector<std::size_t>& block_bytes,
             const std::vector<std::size_t>& trainable_bytes,
             std::vector<std::shared_ptr<Buffer>> memory, const std::string& label,
-            const std::vector<bool>& in_file = {}, const std::vector<int64_t>& order = {});
+            const std::vector<bool>& in_file = {}, const std::vector<int64_t>& order = {},
+            const std::vector<std::size_t>& memory_compressed = {});
 
   int64_t blocks() const { return static_cast<int64_t>(blocks_.size()); }
   std::size_t bytes(int64_t block) const { return blocks_[block].bytes; }
@@ -164,6 +168,7 @@ private:
     bool pending = false;            // a write-back into the other one awaits its commit
     std::unique_ptr<Event> written;  // recorded on the copy stream after that write-back
   };
+  void caller_compressed(std::size_t block, std::size_t compressed, const std::string& label);
   static Region other(Region r) { return r == Region::packed ? Region::spare : Region::packed; }
   HostRegion region(const Block& block, Region which) const {
     return which == Region::packed ? HostRegion{block.host, block.trainable_at}
