@@ -1,10 +1,11 @@
 """One rank of the pipeline-parallel jobs test_pipeline.py runs (python pipeline_worker.py RANK
-WORLD_SIZE JOB_DIR SCHEDULE MICROBATCHES VERBS [ROTATING]): a model of BLOCKS blocks (frozen base weights,
-LoRA adapters) split into stages by torch.distributed.pipelining (Gloo, CPU ranks), trained
-STEPS steps once without blockswap and once with each stage's blocks swapped by its own
-ModelOffloader (the emulated device, training_rotating_slots=ROTATING, 0 when not given);
-writes the losses, gradients and adapters' equality and
-each stage's loads per step to JOB_DIR/rank-RANK.json."""
+WORLD_SIZE JOB_DIR JOB...), each JOB "SCHEDULE:MICROBATCHES:VERBS:ROTATING", one after another
+in one process group (a process per rank and job would start torch 24 times): a model of BLOCKS
+blocks (frozen base weights, LoRA adapters) split into stages by torch.distributed.pipelining
+(Gloo, CPU ranks), trained STEPS steps once without blockswap and once with each stage's blocks
+swapped by its own ModelOffloader (the emulated device, training_rotating_slots=ROTATING);
+writes the losses, gradients and adapters' equality and each stage's loads per step to
+JOB_DIR/<JOB with - for :>/rank-RANK.json."""
 import datetime
 import os
 import sys
@@ -126,13 +127,8 @@ def sequential_loads(blocks, microbatches):
     return loads, peak
 
 
-def main():
-    rank, world, job_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    schedule_name, microbatches, verbs = sys.argv[4], int(sys.argv[5]), sys.argv[6] == "verbs"
-    rotating = int(sys.argv[7]) if len(sys.argv) > 7 else 0
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{job_dir}/store", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+def run(rank, world, schedule_name, microbatches, verbs, rotating):
+    """One job's result on this rank, as the test reads it."""
     result = {"rank": rank}
     try:
         plain, _, n_losses, _ = train(rank, world, schedule_name, microbatches, False, verbs)
@@ -147,8 +143,22 @@ def main():
     except Exception as e:  # what a trainer would see, for the test to check
         import traceback
         result["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
-    write_result(job_dir, rank, result)
-    dist.barrier()
+    return result
+
+
+def main():
+    rank, world, job_dir = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{job_dir}/store", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    for job in sys.argv[4:]:
+        schedule_name, microbatches, verbs, rotating = job.split(":")
+        result = run(rank, world, schedule_name, int(microbatches), verbs == "verbs",
+                     int(rotating))
+        out = os.path.join(job_dir, job.replace(":", "-"))
+        os.makedirs(out, exist_ok=True)
+        write_result(out, rank, result)
+        dist.barrier()  # the next job starts on every rank together
     dist.destroy_process_group()
 
 

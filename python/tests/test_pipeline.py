@@ -21,9 +21,9 @@ WORLD = 2
 K = 3  # the worker's stages of 6 blocks swap half of them; interleaved stages of 3 swap 1
 
 
-def run_ranks(worker, job, args, world=WORLD, timeout=180):
-    """Runs `world` ranks of `worker` (RANK WORLD_SIZE JOB_DIR *args); returns each one's
-    result, after checking that every rank wrote one without an error."""
+def launch(worker, job, args, world=WORLD, timeout=180):
+    """Runs `world` ranks of `worker` (RANK WORLD_SIZE JOB_DIR *args) to their end; returns each
+    one's standard error."""
     job.mkdir()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     here = os.path.dirname(__file__)
@@ -42,6 +42,11 @@ def run_ranks(worker, job, args, world=WORLD, timeout=180):
                 q.kill()
             pytest.fail(f"the job {os.path.basename(worker)} {args} hung for {timeout} s")
         errors.append(err)
+    return errors
+
+
+def results_of(job, errors, world=WORLD):
+    """Each rank's result in `job`, after checking that every rank wrote one without an error."""
     results = []
     for r in range(world):
         path = job / f"rank-{r}.json"
@@ -56,9 +61,29 @@ def run_ranks(worker, job, args, world=WORLD, timeout=180):
     return results
 
 
-def run_job(tmp_path, schedule, microbatches, verbs="verbs", rotating=0):
-    results = run_ranks(WORKER, tmp_path / f"pipe-{schedule}-{microbatches}-{verbs}-{rotating}",
-                        [schedule, microbatches, verbs, rotating])
+def run_ranks(worker, job, args, world=WORLD, timeout=180):
+    """launch, then results_of: one job in `job`."""
+    return results_of(job, launch(worker, job, args, world, timeout), world)
+
+
+# Every job of this file, run by one launch of the ranks (pipeline_worker.py runs them in turn):
+# SCHEDULE:MICROBATCHES:VERBS:ROTATING.
+JOBS = ([f"{s}:{m}:verbs:{r}" for s in ("gpipe", "1f1b") for m in (4, 8) for r in (0, 2)] +
+        [f"interleaved:{m}:verbs:0" for m in (4, 8)] +
+        [f"{s}:4:hooks:0" for s in ("1f1b", "interleaved")])
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory):
+    job = tmp_path_factory.mktemp("pipelines") / "jobs"
+    return job, launch(WORKER, job, JOBS, timeout=600)
+
+
+def run_job(jobs, schedule, microbatches, verbs="verbs", rotating=0):
+    job, errors = jobs
+    key = f"{schedule}:{microbatches}:{verbs}:{rotating}"
+    assert key in JOBS, key
+    results = results_of(job / key.replace(":", "-"), errors)
     assert results[-1]["losses"] == microbatches  # the last stage saw every micro-batch's loss
     return results
 
@@ -75,8 +100,8 @@ def steady_loads(results):
 
 @pytest.mark.parametrize("rotating", [0, 2])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_gpipe_is_exact_and_loads_what_stage_loads_predicts(tmp_path, microbatches, rotating):
-    loads, sequential = steady_loads(run_job(tmp_path, "gpipe", microbatches, rotating=rotating))
+def test_gpipe_is_exact_and_loads_what_stage_loads_predicts(jobs, microbatches, rotating):
+    loads, sequential = steady_loads(run_job(jobs, "gpipe", microbatches, rotating=rotating))
     # All forwards, then all backwards: each forward after the first puts back R blocks the one
     # before evicted, each backward after the first R its forward ended with (R = K = 3 in the
     # seed's layout, else the rotating slots).
@@ -90,8 +115,8 @@ def test_gpipe_is_exact_and_loads_what_stage_loads_predicts(tmp_path, microbatch
 
 @pytest.mark.parametrize("rotating", [0, 2])
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_1f1b_is_exact_and_only_its_warmup_reloads(tmp_path, microbatches, rotating):
-    loads, sequential = steady_loads(run_job(tmp_path, "1f1b", microbatches, rotating=rotating))
+def test_1f1b_is_exact_and_only_its_warmup_reloads(jobs, microbatches, rotating):
+    loads, sequential = steady_loads(run_job(jobs, "1f1b", microbatches, rotating=rotating))
     for stage in (0, 1):
         assert loads[stage] == blockswap.stage_loads("1f1b", WORLD, stage, microbatches,
                                                      2 * K, K, rotating), loads
@@ -104,14 +129,14 @@ def test_1f1b_is_exact_and_only_its_warmup_reloads(tmp_path, microbatches, rotat
 
 
 @pytest.mark.parametrize("microbatches", [4, 8])
-def test_interleaved_1f1b_is_exact(tmp_path, microbatches):
-    loads, sequential = steady_loads(run_job(tmp_path, "interleaved", microbatches))
+def test_interleaved_1f1b_is_exact(jobs, microbatches):
+    loads, sequential = steady_loads(run_job(jobs, "interleaved", microbatches))
     assert sorted(loads) == [0, 1, 2, 3]  # two stages per rank, each its own offloader
     for stage, n in loads.items():
         assert n >= sequential[stage] == 2 * microbatches, loads
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-def test_blockswaps_own_hooks_are_exact_in_a_pipeline(tmp_path, schedule):
+def test_blockswaps_own_hooks_are_exact_in_a_pipeline(jobs, schedule):
     """hook_blocks=True (as for diffusers' classes) instead of the explicit verbs."""
-    run_job(tmp_path, schedule, 4, "hooks")
+    run_job(jobs, schedule, 4, "hooks")
