@@ -797,12 +797,14 @@ class ModelOffloader:
         """With ``compress="on"``: the blocks whose frozen weights are stored compressed
         (``blocks``), those weights' bytes raw and compressed (``raw_bytes``,
         ``compressed_bytes``: the host memory saved is the difference), ``ratio`` (1.0 with
-        none), the device bytes of the two decode buffers (``decode_buffer_bytes``), whether
-        compression is on (``on``: with ``compress="auto"``, what it chose) and why
+        none), the device bytes of the two decode buffers (``decode_buffer_bytes``), how many
+        times a block was encoded again because its frozen weights changed
+        (``encoded_again``: load_state_dict, a merge; the same values again are not encoded),
+        whether compression is on (``on``: with ``compress="auto"``, what it chose) and why
         (``reason``)."""
         if self._impl is None:
             return {"blocks": 0, "raw_bytes": 0, "compressed_bytes": 0, "ratio": 1.0,
-                    "decode_buffer_bytes": 0, "on": False,
+                    "decode_buffer_bytes": 0, "encoded_again": 0, "on": False,
                     "reason": "no engine (closed, or nothing to swap)"}
         return self._impl.compression()
 

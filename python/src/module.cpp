@@ -50,6 +50,7 @@ py::dict to_dict(const CompressionStats& s) {
   d["compressed_bytes"] = s.compressed_bytes;
   d["ratio"] = s.ratio();
   d["decode_buffer_bytes"] = s.decode_buffer_bytes;
+  d["encoded_again"] = s.encoded_again;
   d["on"] = s.on;
   d["reason"] = s.reason;
   return d;

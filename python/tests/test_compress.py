@@ -309,6 +309,34 @@ def test_load_state_dict_while_compressed_loads_every_block(strict, assign):
         o.close()
 
 
+def test_loading_the_same_weights_again_encodes_no_block():
+    """A checkpoint resumed from the weights the model was built with leaves every compressed
+    block as it is (compression()["encoded_again"] counts the blocks encoded again); one weight
+    changed encodes its block alone, once, exactly."""
+    reference = build("flux", dtype=torch.bfloat16)
+    model = build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, supports_backward=False, compress=True)
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert compressed_blocks(offloaders) > 0
+    encoded = lambda: sum(o.compression()["encoded_again"] for o in offloaders)  # noqa: E731
+    model.load_state_dict(reference.state_dict())
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert encoded() == 0
+    key = next(k for k, v in reference.state_dict().items()
+               if k.startswith("transformer_blocks.1.") and v.dim() == 2 and "lora" not in k)
+    with torch.no_grad():
+        reference.state_dict()[key].mul_(0.5)
+    model.load_state_dict(reference.state_dict())
+    expected = infer(reference, "flux", dtype=torch.bfloat16)
+    for _ in range(2):
+        assert torch.equal(infer(model, "flux", offloaders, dtype=torch.bfloat16), expected)
+    assert encoded() == 1
+    for o in offloaders:
+        o.close()
+
+
 def test_peft_merge_while_compressed_is_peft_s():
     """peft's merge_adapter / unmerge_adapter on compressed blocks (Note [peft merges]): the
     merged sample is peft's without blockswap, and the unmerge gives the base weights back."""

@@ -258,6 +258,7 @@ bool Engine::replace_frozen(int64_t block, std::span<const std::byte> raw) {
   } catch (...) {
     impl_->copy_failed(std::current_exception());
   }
+  ++impl_->encoded_again_;
   return store.replace_frozen(block, raw, impl_->options_.frozen_ranges[block],
                               impl_->loads_.decode_capacity());
 }
@@ -272,6 +273,7 @@ CompressionStats Engine::compression() const {
     stats.compressed_bytes += impl_->store_.stored_frozen_bytes(b);
   }
   stats.decode_buffer_bytes = impl_->loads_.decode_buffer_bytes();
+  stats.encoded_again = impl_->encoded_again_;
   stats.on = impl_->options_.compress == Compress::on;
   return stats;
 }

@@ -89,7 +89,8 @@ struct Engine::Impl {
   bool is_forward_only_;
   bool switched_since_prepare_ = false; // set_forward_only changed the mode after prepare()
   bool enabled_ = true;
-  bool compressed_ = false; // compress_once has run
+  bool compressed_ = false;   // compress_once has run
+  int64_t encoded_again_ = 0; // CompressionStats::encoded_again
   std::size_t slot_bytes_ = 0;
   std::vector<int64_t> priority_; // host memory's (core/planner.hpp, host_priority)
   HostStore store_;               // every host address

@@ -214,9 +214,16 @@ bool BlockBinder::compressed_change(int64_t block, PackedTensor& t) {
   if (changed_block_ != block) {
     changed_frozen_ = views_.decoded_frozen(block, layouts_[block].trainable_offset);
     changed_block_ = block;
+    changed_values_ = false;
   }
   const at::Tensor values = now.detach().to(at::kCPU).contiguous();
-  std::memcpy(changed_frozen_->data() + t.offset, values.data_ptr(), values.nbytes());
+  // The same values again (the checkpoint the model was built from, loaded to resume) are not
+  // encoded again.
+  std::byte* into = changed_frozen_->data() + t.offset;
+  if (std::memcmp(into, values.data_ptr(), values.nbytes()) != 0) {
+    std::memcpy(into, values.data_ptr(), values.nbytes());
+    changed_values_ = true;
+  }
   return true;
 }
 
@@ -224,19 +231,15 @@ void BlockBinder::encode_changes(int64_t block) {
   if (changed_block_ != block) return;
   const std::shared_ptr<Buffer> raw = std::exchange(changed_frozen_, nullptr);
   changed_block_ = -1;
+  if (!changed_values_) { // its tensors are bound to its true values again, the block stays
+    rebind_frozen_off_device(block);
+    return;
+  }
   const bool compressed = engine_->replace_frozen(
       block, std::span<const std::byte>(raw->data(), layouts_[block].trainable_offset));
   views_.use_compressed(block, engine_->host_buffer(block),
                         compressed ? engine_->host_frozen_bytes(block) : 0);
-  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
-    const PackedTensor& t = layouts_[block].tensors[i];
-    if (t.role == Role::frozen && !bound_[block][i].on_device) {
-      bind(block, i,
-           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
-                   : host_view(block, t),
-           false);
-    }
-  }
+  rebind_frozen_off_device(block);
   // A load of the block made before (the last pass's prefetch) carried the old values: its
   // next on_ready writes the new ones into its slot.
   if (std::any_of(bound_[block].begin(), bound_[block].end(),
@@ -250,6 +253,18 @@ void BlockBinder::encode_changes(int64_t block) {
   if (trainable.buffer != trainable_hosts_[block].buffer ||
       trainable.offset != trainable_hosts_[block].offset) {
     on_written_back(block, trainable);
+  }
+}
+
+void BlockBinder::rebind_frozen_off_device(int64_t block) {
+  for (std::size_t i = 0; i < layouts_[block].tensors.size(); ++i) {
+    const PackedTensor& t = layouts_[block].tensors[i];
+    if (t.role == Role::frozen && !bound_[block][i].on_device) {
+      bind(block, i,
+           strict_ ? at::empty({0}, at::TensorOptions().dtype(t.dtype).device(device_))
+                   : host_view(block, t),
+           false);
+    }
   }
 }
 

@@ -121,6 +121,7 @@ private:
   // Note [changed compressed weights] in the .cpp.
   bool compressed_change(int64_t block, PackedTensor& t);
   void encode_changes(int64_t block);
+  void rebind_frozen_off_device(int64_t block); // to the views of its host copy
   at::Tensor host_view(int64_t block, const PackedTensor& t) const;
   void save_changes(int64_t block, PackedTensor& t);
   void bind(int64_t block, std::size_t index, const at::Tensor& data, bool on_device);
@@ -138,6 +139,7 @@ private:
   // A compressed block's frozen bytes with the caller's changes, before they are encoded again.
   std::shared_ptr<Buffer> changed_frozen_;
   int64_t changed_block_ = -1;
+  bool changed_values_ = false;  // whether changed_frozen_ differs from the block's bytes
   std::vector<bool> stale_slot_; // [block]: its slot's frozen bytes are older than its host copy
   void raise_dropped_changes();
   void rebind_lost_views() noexcept;

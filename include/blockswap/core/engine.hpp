@@ -107,6 +107,9 @@ struct CompressionStats {
   uint64_t raw_bytes = 0;              // their frozen bytes
   uint64_t compressed_bytes = 0;       // the same, compressed
   std::size_t decode_buffer_bytes = 0; // device memory the decode step holds
+  // Blocks encoded again since construction: frozen weights the caller changed (Note [changed
+  // compressed weights] in host_store.cpp), each time; the same values again are not.
+  int64_t encoded_again = 0;
   bool on = false; // compression on: EngineOptions::compress, or what auto chose
   // Why it is on or off: as asked, or compress = auto's reason (core/compression_choice.hpp).
   std::string reason = {};
