@@ -337,6 +337,27 @@ def test_loading_the_same_weights_again_encodes_no_block():
         o.close()
 
 
+@pytest.mark.parametrize("flag", [False, True])
+def test_a_checkpoint_around_the_whole_model_raises_never_a_wrong_result(flag):
+    """checkpoint(model, use_reentrant=False) over several compressed blocks: without
+    reentrant_activation_checkpointing blockswap refuses the recompute's second forward; with it
+    the recompute sees frozen tensors off the device with no elements, and torch refuses it
+    (docs/guide.md, "Compressed weights")."""
+    import torch.utils.checkpoint as checkpoint
+    model = build("flux", dtype=torch.bfloat16)
+    offloaders = swap(model, "flux", 2, reentrant=flag, compress=True)
+    args = {k: v.to(torch.bfloat16) if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in inputs("flux", seed=1).items()}
+    prepare(offloaders)
+    expected = checkpoint.CheckpointError if flag else blockswap.Error
+    with pytest.raises(expected, match="metadata" if flag else "forward a second time"):
+        out = checkpoint.checkpoint(lambda **a: model(**a, return_dict=False)[0],
+                                    use_reentrant=False, **args)
+        out.float().pow(2).mean().backward()
+    for o in offloaders:
+        o.close()
+
+
 def test_peft_merge_while_compressed_is_peft_s():
     """peft's merge_adapter / unmerge_adapter on compressed blocks (Note [peft merges]): the
     merged sample is peft's without blockswap, and the unmerge gives the base weights back."""

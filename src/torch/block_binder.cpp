@@ -199,15 +199,12 @@ bool BlockBinder::compressed_change(int64_t block, PackedTensor& t) {
   if (t.role != Role::frozen || !views_.compressed(block) || engine_ == nullptr) return false;
   const at::Tensor& now = t.variable;
   const auto index = static_cast<std::size_t>(&t - layouts_[block].tensors.data());
-  if (shared_) { // the node's copy is never written: the caller's Error says so
-    if (!bound_[block][index].on_device && now.numel() == 0) {
-      bind(block, index, host_view(block, t), false); // its true values again
-    }
-    return false;
-  }
+  // The node's copy (shared_) is never written: a change to it is the caller's Error
+  // (save_changes), the same values again are none.
   if (now.sizes().vec() != t.sizes || now.scalar_type() != t.dtype) {
     if (bound_[block][index].on_device || now.numel() != 0) return false; // replaced: raised
-    bind(block, index, host_view(block, t), false);
+    bind(block, index, host_view(block, t), false);                       // its true values again
+    if (shared_) return false;
     views_.dropped_compressed(block, t);
     return true;
   }
@@ -221,6 +218,7 @@ bool BlockBinder::compressed_change(int64_t block, PackedTensor& t) {
   // encoded again.
   std::byte* into = changed_frozen_->data() + t.offset;
   if (std::memcmp(into, values.data_ptr(), values.nbytes()) != 0) {
+    if (shared_) return false;
     std::memcpy(into, values.data_ptr(), values.nbytes());
     changed_values_ = true;
   }

@@ -161,6 +161,20 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts, bool compress,
                                rest.empty() ? value : rest));
   }
   const auto [their_fingerprint, sizes_and_ticket] = split_word(rest);
+  const auto without_compression = [](std::string text) {
+    const auto at = text.find("compressed-");
+    return at == std::string::npos ? text : text.erase(at, std::string("compressed-").size());
+  };
+  if (their_fingerprint != fingerprint_ &&
+      without_compression(their_fingerprint) == without_compression(fingerprint_)) {
+    fail(detail::concat("its compress option (", compress ? "on" : "off",
+                        ") differs from local rank 0's"));
+    throw Error(detail::concat("[", label_, "] this rank's compress option (",
+                               compress ? "on" : "off", ") differs from local rank 0's (",
+                               compress ? "off" : "on",
+                               "): every rank of the node must pass the same compress option, "
+                               "as local rank 0 compresses the node's one copy or not"));
+  }
   if (their_fingerprint != fingerprint_) {
     fail("its blocks differ from local rank 0's");
     throw Error(detail::concat(

@@ -282,8 +282,13 @@ TEST(NodeSharing, RanksThatDisagreeOnCompressionAreAnErrorOnEveryRank) {
     o.compress = r == 0 ? Compress::on : Compress::off;
     ModelOffloader offloader("block", (r == 0 ? a : b).modules(), o);
   });
-  EXPECT_NE(errors[1].find("the same compress option"), std::string::npos) << errors[1];
-  EXPECT_NE(errors[0].find("local rank 1 could not use"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[1].find("this rank's compress option (off) differs from local rank 0's (on)"),
+            std::string::npos)
+      << errors[1];
+  EXPECT_NE(errors[0].find("local rank 1 could not use the node-shared weights: its compress "
+                           "option (off) differs"),
+            std::string::npos)
+      << errors[0];
   // Local rank 0's weights are intact after its failed constructor.
   expect_bitwise(a.blocks[1]->fc2->weight, reference.blocks[1]->fc2->weight, "rank 0's weight");
 }
@@ -304,6 +309,9 @@ TEST(NodeSharing, AWriteIntoACompressedSharedFrozenWeightIsAnError) {
   };
   const torch::Tensor expected = reference.forward(in.x, in.context);
   expect_bitwise(pass(), expected, "first pass");
+  // The same values again (a checkpoint resumed) are no change.
+  model.blocks[3]->fc1->weight.copy_(reference.blocks[3]->fc1->weight);
+  expect_bitwise(pass(), expected, "the same values written again");
   model.blocks[3]->fc1->weight.mul_(2); // resident: the write lands in its slot
   expect_error(pass, "shared by every rank");
   Model other(4);
@@ -317,7 +325,9 @@ TEST(NodeSharing, AWriteIntoACompressedSharedFrozenWeightIsAnError) {
   };
   expect_bitwise(second_pass(), expected, "second offloader's first pass");
   ASSERT_EQ(other.blocks[0]->fc1->weight.numel(), 0); // swapped out: no elements off the device
-  other.blocks[0]->fc1->weight.mul_(2);               // does nothing, but bumps its version
+  other.blocks[0]->fc1->weight.set_data(reference.blocks[0]->fc1->weight.clone());
+  expect_bitwise(second_pass(), expected, "rebound to the same values");
+  other.blocks[0]->fc1->weight.mul_(2); // does nothing, but bumps its version
   expect_error(second_pass, "shared by every rank");
   expect_bitwise(second_pass(), expected, "the pass after the error");
 }
