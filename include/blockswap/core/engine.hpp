@@ -115,7 +115,9 @@ struct Stats {
   uint64_t moves = 0;      // blocks loaded into a slot by a move (prepare not counted)
   uint64_t disk_bytes = 0; // bytes of the loads read from the file tier
   // Bytes of the loads staged from pageable host memory (Note [pageable host memory] in
-  // load_pipeline.cpp).
+  // load_pipeline.cpp), as h2d_bytes counts them: as they are in the slot. A compressed block's
+  // frozen bytes crossed the staging ring and the link compressed: they count in decoded_bytes
+  // and compressed_bytes as well.
   uint64_t staged_bytes = 0;
   // Of h2d_bytes: frozen bytes that crossed the link compressed and were decoded on the device,
   // and what crossed the link for them (EngineOptions::compress).
