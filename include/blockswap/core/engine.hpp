@@ -78,7 +78,8 @@ struct EngineOptions {
   // its device copy and the slots are never on the device together.
   bool slots_at_construction = true;
   // Note [compressed host copies] in host_store.cpp. on: the frozen bytes of every block in
-  // pinned host memory of the engine's own are stored losslessly compressed (core/codec.hpp)
+  // host memory of the engine's own (pinned, or pageable and staged; not the file tier's) are
+  // stored losslessly compressed (core/codec.hpp)
   // from compress() (or the first prepare()) on, once the caller has filled them, and decoded on
   // the device at each load; a block that does not shrink stays raw. The backend must decode
   // (Backend::can_decode). automatic: off here; whoever builds the engine chooses on or off
