@@ -38,7 +38,7 @@ std::string gib(uint64_t bytes) {
 // Note [automatic compression]
 // compress = auto turns compression on where it pays, off where it costs or changes nothing,
 // in this order:
-// 1. off where the device cannot decode, where no frozen bytes are stored in pinned host copies
+// 1. off where the device cannot decode, where no frozen bytes are stored in host copies
 //    of the offloader's own (the file tier, node-shared copies, trainable-only blocks), or where
 //    the weights are not floating point that compresses (modelled ratio under 1.1: integers,
 //    quantized bytes);
@@ -54,7 +54,7 @@ std::string gib(uint64_t bytes) {
 CompressionChoice choose_compression(const CompressionFacts& f) {
   if (!f.can_decode) return {false, "the device cannot decode compressed weights"};
   if (f.frozen_bytes == 0) {
-    return {false, "no frozen weights are stored in pinned host copies of its own"};
+    return {false, "no frozen weights are stored in host copies of its own"};
   }
   if (f.ratio < kLeastRatio) {
     return {false, detail::concat("the frozen weights are not of a dtype that compresses "

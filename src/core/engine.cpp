@@ -259,8 +259,7 @@ bool Engine::replace_frozen(int64_t block, std::span<const std::byte> raw) {
     impl_->copy_failed(std::current_exception());
   }
   ++impl_->encoded_again_;
-  return store.replace_frozen(block, raw, impl_->options_.frozen_ranges[block],
-                              impl_->loads_.decode_capacity());
+  return impl_->loads_.replace_frozen(block, raw, impl_->options_.frozen_ranges[block]);
 }
 
 CompressionStats Engine::compression() const {

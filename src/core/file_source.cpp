@@ -144,6 +144,16 @@ void MemorySource::read(int64_t block, std::byte* into, const std::function<int6
   for (std::thread& t : helpers) t.join();
 }
 
+void MemorySource::repoint(int64_t block, const std::byte* memory, std::size_t bytes) {
+  BLOCKSWAP_CHECK(block >= 0 && static_cast<std::size_t>(block) < blocks_.size() &&
+                      blocks_[block].memory != nullptr && memory != nullptr,
+                  "block ", block,
+                  " is not read from host memory: only such a block can be given a new place "
+                  "to read from");
+  blocks_[block].memory = memory;
+  blocks_[block].bytes = bytes;
+}
+
 void FileSource::check_unchanged(int64_t block) const {
   std::size_t last = files_.size(); // the block's ranges are in file order: each file once
   for (const FileRange& r : blocks_[block].ranges) {

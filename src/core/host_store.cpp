@@ -104,18 +104,21 @@ void HostStore::reallocate(int64_t block, const std::function<void()>& meanwhile
 // checksum of the raw bytes. The block's buffer is then [compressed frozen bytes | padding to
 // layout::kAlignment | trainable bytes]: the trainable bytes keep their own region (the first of
 // the two of Note [atomic write-back]), aligned so that views of them stay aligned. The raw
-// buffer is freed: the host memory saved is real. What is not compressed, and why:
-// - the blocks in the file and in pageable memory: the staging ring's reader was given their
-//   raw addresses and sizes when the load pipeline was built (core/staging_ring.hpp), before the
-//   caller filled them; they stay raw for now (the file tier reads the file as it is);
-// - the caller's memory: the store never writes it; its filler compresses it instead, once,
-//   for every process that maps it (EngineOptions::host_memory_compressed: the node-shared
-//   copy, Note [compressed node-shared copy] in torch/node_sharing.cpp);
-// - a block whose new buffer the system would not pin: a copy from it could not overlap.
-bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
+// buffer is freed: the host memory saved is real.
+// A block the copy stream reads from where it is needs its new buffer pinned (a copy from
+// pageable memory could not overlap): one the system would not pin stays raw. A staged block
+// (in memory the system would not pin, Note [pageable host memory] in load_pipeline.cpp) is
+// copied into a pinned staging buffer anyway, so its new buffer may be pageable: the staging
+// ring then holds its compressed bytes, and its reader is pointed at them (LoadPipeline::
+// compress). Pageable blocks are there when host memory is short, where the saving counts most.
+// The caller's memory is never written by the store: its filler compresses it instead, once,
+// for every process that maps it (EngineOptions::host_memory_compressed: the node-shared copy,
+// Note [compressed node-shared copy] in torch/node_sharing.cpp). The blocks in the file are not
+// compressed: the file tier reads the file as it is.
+bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges, bool staged) {
   Block& b = blocks_[block];
   BLOCKSWAP_ASSERT(!caller_memory_ && !b.in_file && b.host && !b.parsed && !b.spare &&
-                       !b.host->pageable(),
+                       (staged || !b.host->pageable()),
                    "block ", block, " cannot be compressed");
   const std::size_t frozen = b.bytes - b.trainable;
   if (frozen == 0) return false;
@@ -124,7 +127,7 @@ bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
   const std::size_t at = layout::align_up(packed.size());
   if (at + b.trainable >= layout::align_up(frozen) + b.trainable) return false; // no smaller
   Buffer host = backend_->allocate_host(at + b.trainable);
-  if (host.pageable()) return false;
+  if (host.pageable() && !staged) return false;
   std::memcpy(host.data(), packed.data(), packed.size());
   std::memset(host.data() + packed.size(), 0, at - packed.size());
   if (b.trainable > 0) std::memcpy(host.data() + at, b.host->data() + frozen, b.trainable);
@@ -144,7 +147,9 @@ bool HostStore::compress(int64_t block, std::span<const codec::Range> ranges) {
 // first; new bytes that compress worse than fits it, or not at all, are stored raw: the block
 // then loads as an uncompressed one, exactly, and costs its raw bytes of host memory. The packed
 // region's trainable bytes move with the buffer (a pending write-back into it is done by then:
-// the engine waits for it), the spare stays where it is.
+// the engine waits for it), the spare stays where it is. A staged block's new buffer may be
+// pageable, as at compress(); the load pipeline holds the reads ahead around the change and
+// points the staging ring's reader at the new buffer (LoadPipeline::replace_frozen).
 bool HostStore::replace_frozen(int64_t block, std::span<const std::byte> raw,
                                std::span<const codec::Range> ranges, std::size_t most) {
   Block& b = blocks_[block];

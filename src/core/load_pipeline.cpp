@@ -59,6 +59,14 @@ constexpr int64_t kPageableStaging = 2;
 // change when the caller writes them between passes, and when a block leaves the device (the
 // listener saves what was written into its slot): copies ahead never cross those points
 // (start_pass, hold_around below).
+// With compression on (Note [compressed host copies] in host_store.cpp) such a block's frozen
+// bytes are stored compressed too, in a new host buffer that may itself be pageable: compress()
+// points the reader at them (StagingReader::repoint), the reader copies the compressed bytes
+// into the staging buffer, the load adds the trainable bytes behind the raw frozen bytes' place
+// and copies both out of it as a pinned compressed block's are (Note [a decode step]). Frozen
+// bytes encoded again (replace_frozen) move the block's host copy: the reads ahead are held
+// around it and the reader is pointed at the new one. So the ring holds, and the link carries,
+// the compressed bytes; staged_bytes still counts the loads' bytes as they are in the slot.
 LoadPipeline::LoadPipeline(std::shared_ptr<Backend> backend, HostStore& store,
                            const std::optional<FileTier>& file,
                            const std::vector<int64_t>& priority, std::size_t slot_bytes,
@@ -195,15 +203,27 @@ void LoadPipeline::start_pass(const std::vector<int64_t>& placements) {
 }
 
 void LoadPipeline::hold_around(int64_t evicted, const std::function<void()>& eviction) {
-  const bool held =
-      reader_ && stages_memory_ && std::find(ahead_.begin(), ahead_.end(), evicted) != ahead_.end();
-  if (held) reader_->cancel(); // waits for a copy in flight
+  held(stages_memory_ && std::find(ahead_.begin(), ahead_.end(), evicted) != ahead_.end(),
+       eviction);
+}
+
+void LoadPipeline::hold_around_all(const std::function<void()>& change) {
+  held(stages_memory_ && !ahead_.empty(), change);
+}
+
+void LoadPipeline::held(bool hold, const std::function<void()>& change) {
+  hold = hold && reader_ && !holding_;
+  if (hold) {
+    reader_->cancel(); // waits for a copy in flight
+    holding_ = true;
+  }
   auto resume = [&] {
-    if (!held) return;
+    if (!hold) return;
+    holding_ = false;
     for (int64_t b : ahead_) reader_->request(b);
   };
   try {
-    eviction();
+    change();
   } catch (...) {
     resume();
     throw;
@@ -259,16 +279,17 @@ void LoadPipeline::read_ahead() {
 // before it computed makes the copy stream wait for its load event, and a block's trainable
 // bytes loaded again wait for it (Engine::reload_trainable). Engine::synchronize waits for
 // both streams. A backend without a decode stream runs it on the copy stream: in order, right,
-// in series. The source and the read order stay as they are. Today the pinned host copies hold
-// compressed bytes; the staging ring, the file and the node-shared copy hold raw ones (the
-// note in host_store.cpp says why).
+// in series. The source and the read order stay as they are. The pinned host copies and the
+// pageable ones (through the staging ring, whose buffer is then the copy's source: copy_staged)
+// hold compressed bytes, and so does the node-shared copy (compressed by its filler); the file
+// holds raw ones (the note in host_store.cpp says why).
 
 // Note [the file tier]: a block from the file is copied behind a wait for its read on the copy
 // stream, and the host goes on; it waits for the read only when the block is about to be
 // computed (finish), where a failed read is raised. A block from pageable host memory is
 // copied into its staging buffer before the host goes on: its bytes may change once the pass
 // is over, and its trainable bytes are added by the host.
-void LoadPipeline::copy_staged(int64_t block, std::byte* slot) {
+void LoadPipeline::copy_staged(int64_t block, std::byte* slot, Event& loaded) {
   const bool in_file = store_.tier(block) == HostStore::Tier::file;
   StagingReader::Staged staged;
   try {
@@ -277,20 +298,34 @@ void LoadPipeline::copy_staged(int64_t block, std::byte* slot) {
     if (in_file) file_failed_();
     throw;
   }
-  const std::size_t bytes = store_.bytes(block);
-  if (const std::size_t trainable = store_.trainable_bytes(block); trainable > 0) {
+  // The staging buffer as the load's source: the frozen bytes as stored (compressed: Note
+  // [compressed host copies]), the trainable bytes after the raw frozen bytes' place, as for a
+  // raw block.
+  HostStore::Source source;
+  source.frozen = staged.buffer->data();
+  source.frozen_bytes = store_.frozen_bytes(block);
+  source.trainable = staged.buffer->data() + source.frozen_bytes;
+  source.trainable_bytes = store_.trainable_bytes(block);
+  source.compressed_bytes = store_.compressed(block) ? store_.stored_frozen_bytes(block) : 0;
+  if (source.trainable_bytes > 0) { // never in the file
     // Note [pageable host memory]: the freshest trainable bytes, their write-back waited for.
-    std::memcpy(staged.buffer->data() + store_.frozen_bytes(block),
-                store_.load_source(block).trainable, trainable);
+    std::memcpy(staged.buffer->data() + source.frozen_bytes, store_.load_source(block).trainable,
+                source.trainable_bytes);
   }
   // A fresh event, the reader's (StagingReader::release): the next copy out of this buffer may
   // be enqueued before the read into it that waits for this one.
   std::shared_ptr<Event> copied;
+  const std::size_t bytes = store_.bytes(block);
   try {
     copied = backend_->make_event();
     if (in_file) reader_->copy_after(staged);
-    backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
-    backend_->record(*copied, Stream::copy);
+    if (source.compressed_bytes > 0) {
+      copy_compressed(block, slot, source, loaded); // Note [a decode step]
+    } else {
+      backend_->copy_to_device(slot, staged.buffer->data(), bytes, block);
+      backend_->record(loaded, Stream::copy);
+    }
+    backend_->record(*copied, Stream::copy); // after the copies out of the buffer
   } catch (...) {
     reader_->release(staged); // not copied from: free once its read is done
     throw;

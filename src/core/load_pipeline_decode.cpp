@@ -3,6 +3,7 @@
 // [compressed host copies] in host_store.cpp) are copied compressed into one of two device
 // buffers on the copy stream and decoded from there into their slot on the decode stream.
 #include <algorithm>
+#include <span>
 #include <string>
 
 #include "blockswap/core/error.hpp"
@@ -31,22 +32,47 @@ void LoadPipeline::compress(const std::vector<std::vector<codec::Range>>& ranges
                   " cannot decode compressed weights (a CUDA build without nvcc has no decoder): "
                   "turn compression off");
   std::size_t largest = 0;
-  for (int64_t b = 0; b < store_.blocks(); ++b) {
-    if (store_.compressed(b)) { // the caller's memory, compressed by its filler
+  // A staged block's new buffer may be pageable (it is staged anyway); no read ahead may read
+  // a raw buffer the store frees (none is requested before the first pass, but compress() may
+  // come late), and its reader reads the compressed bytes from then on.
+  hold_around_all([&] {
+    for (int64_t b = 0; b < store_.blocks(); ++b) {
+      if (store_.compressed(b)) { // the caller's memory, compressed by its filler
+        largest = std::max(largest, store_.stored_frozen_bytes(b));
+        continue;
+      }
+      const bool staged_from_memory = staged(b) && store_.tier(b) != HostStore::Tier::file;
+      if (store_.caller_memory() ||
+          (!staged_from_memory && store_.tier(b) != HostStore::Tier::pinned)) {
+        continue;
+      }
+      const bool shrank = model ? store_.model_compressed(b, modelled[b])
+                                : store_.compress(b, ranges[b], staged_from_memory);
+      if (!shrank) continue;
       largest = std::max(largest, store_.stored_frozen_bytes(b));
-      continue;
+      if (staged_from_memory) {
+        reader_->repoint(b, store_.buffer(b)->data(), store_.stored_frozen_bytes(b));
+      }
     }
-    if (store_.caller_memory() || staged(b) || store_.tier(b) != HostStore::Tier::pinned) continue;
-    const bool shrank =
-        model ? store_.model_compressed(b, modelled[b]) : store_.compress(b, ranges[b]);
-    if (shrank) largest = std::max(largest, store_.stored_frozen_bytes(b));
-  }
+  });
   if (largest == 0) return;
   for (DecodeBuffer& buffer : decode_buffers_) { // the Device accounts for both
     buffer.memory = backend_->allocate_device(largest);
     buffer.copied = backend_->make_event();
     buffer.free = backend_->make_event(); // not recorded: the first copy into it waits for nothing
   }
+}
+
+bool LoadPipeline::replace_frozen(int64_t block, std::span<const std::byte> raw,
+                                  std::span<const codec::Range> ranges) {
+  bool compressed = false;
+  hold_around(block, [&] {
+    compressed = store_.replace_frozen(block, raw, ranges, decode_capacity());
+    if (staged(block)) {
+      reader_->repoint(block, store_.buffer(block)->data(), store_.stored_frozen_bytes(block));
+    }
+  });
+  return compressed;
 }
 
 // Note [a decode step]: two buffers, used in turn, so that the copy of the next compressed load

@@ -23,10 +23,12 @@ StagingRing::StagingRing(std::vector<std::size_t> bytes,
                            "staging buffer");
   std::size_t largest = 0;
   for (std::size_t b : bytes_) largest = std::max(largest, b);
+  buffer_bytes_ = free_.front().buffer ? free_.front().buffer->size() : 0;
   for (const auto& [buffer, copied] : free_) {
     BLOCKSWAP_CHECK(buffer && buffer->size() >= largest, "[", label_, "] a staging buffer of ",
                     buffer ? buffer->size() : 0, " bytes cannot hold the largest block (", largest,
                     " bytes)");
+    buffer_bytes_ = std::min(buffer_bytes_, buffer->size());
   }
   thread_ = std::thread([this] { run(); });
 }
@@ -142,6 +144,28 @@ void StagingRing::cancel() {
   });
   free_.insert(free_.begin(), std::make_move_iterator(freed.begin()),
                std::make_move_iterator(freed.end()));
+}
+
+void BlockSource::repoint(int64_t block, const std::byte* /*memory*/, std::size_t /*bytes*/) {
+  throw Error(detail::concat("block ", block,
+                             " is not read from host memory: only such a block can be given a "
+                             "new place to read from"));
+}
+
+void StagingRing::repoint(int64_t block, const std::byte* memory, std::size_t bytes) {
+  BLOCKSWAP_CHECK(block >= 0 && block < blocks(), "[", label_, "] block index ", block,
+                  " is out of range for the staging ring's ", blocks(), " blocks");
+  BLOCKSWAP_CHECK(bytes <= buffer_bytes_, "[", label_, "] block ", block, " cannot take ", bytes,
+                  " bytes: a staging buffer holds ", buffer_bytes_);
+  std::lock_guard lock(shared_->mutex);
+  BLOCKSWAP_CHECK(sources_[block] != nullptr, "[", label_, "] block ", block,
+                  " is never staged: it has no place to read from");
+  for (const std::shared_ptr<Read>& r : reads_) {
+    BLOCKSWAP_CHECK(r->block != block, "[", label_, "] block ", block,
+                    " is given a new place while a read of it is requested: cancel() first");
+  }
+  sources_[block]->repoint(block, memory, bytes);
+  bytes_[block] = bytes;
 }
 
 uint64_t StagingRing::bytes_read() const {

@@ -11,6 +11,7 @@
 
 #include "blockswap/core/engine.hpp"
 #include "blockswap/core/error.hpp"
+#include "blockswap/core/file_source.hpp"
 #include "blockswap/core/simulator.hpp"
 #include "blockswap/device/timed.hpp"
 
@@ -124,6 +125,32 @@ TEST(CompressedTiming, SizesAreCheckedAndASlowDecoderCosts) {
   slow.decode_bytes_per_second = slow.bytes_per_second;
   EXPECT_GT(simulate(schedule, timing(2.0, true), slow).step_seconds,
             simulate(schedule, timing(2.0, false), link()).step_seconds);
+}
+
+// The timed device's staging reader models a block staged from host memory by its bytes: given
+// its compressed bytes' place (StagingReader::repoint, as LoadPipeline::compress does for a
+// pageable block), its reads take their size, and a block in the file cannot be given one.
+TEST(CompressedTiming, TheTimedReaderModelsAStagedBlockAtItsCompressedSize) {
+  TimedDeviceOptions options;
+  options.link = link();
+  options.link.disk_bytes_per_second = 5e9;
+  auto device = std::make_shared<TimedDevice>(options);
+  Buffer host = device->allocate_host(kBytes);
+  StagingSpec spec{
+      {}, {FileBlock{{}, kBytes, host.data()}, FileBlock{{}, kBytes, nullptr}}, {}, "timed"};
+  spec.staging.push_back(std::make_shared<Buffer>(device->allocate_host(kBytes)));
+  const std::unique_ptr<StagingReader> reader = device->make_staging_reader(std::move(spec));
+  auto read = [&] {
+    reader->request(0);
+    reader->release(reader->next());
+  };
+  read();
+  EXPECT_EQ(reader->bytes_read(), kBytes);
+  const auto compressed = std::size_t(double(kBytes) / kRatio);
+  reader->repoint(0, host.data(), compressed);
+  read();
+  EXPECT_EQ(reader->bytes_read(), kBytes + compressed);
+  EXPECT_THROW(reader->repoint(1, host.data(), compressed), Error);
 }
 
 } // namespace

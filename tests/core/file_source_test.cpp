@@ -160,6 +160,38 @@ TEST(FileReader, BlocksFromMemoryAreCopiedWhole) {
        "from memory or from the file, not both"});
 }
 
+// A block in host memory given a new place (StagingReader::repoint: its host copy stored
+// compressed, Note [compressed host copies]) is read from there, at its new size, from its next
+// request on; a block in the file, one still requested, or more than a staging buffer holds is
+// an Error that says so.
+TEST(FileReader, ABlockInMemoryIsReadFromItsNewPlace) {
+  std::vector<std::byte> memory(3000), moved(1000);
+  for (std::size_t i = 0; i < memory.size(); ++i) memory[i] = std::byte(i * 7 % 253);
+  for (std::size_t i = 0; i < moved.size(); ++i) moved[i] = std::byte(i * 11 % 241 + 1);
+  const TestFile file(10'000);
+  const std::vector<FileBlock> blocks = {FileBlock{{}, memory.size(), memory.data()},
+                                         FileBlock{{FileRange{0, 100, 0}}, 100, nullptr}};
+  FileReader reader({file.path.string()}, blocks, ring(1, memory.size()), "blocks");
+  reader.request(0);
+  FileReader::Staged staged = reader.next();
+  reader.release(staged);
+  reader.repoint(0, moved.data(), moved.size());
+  reader.request(0);
+  staged = reader.next();
+  EXPECT_EQ(std::memcmp(staged.buffer->data(), moved.data(), moved.size()), 0);
+  reader.release(staged);
+  EXPECT_EQ(reader.bytes_read(), memory.size() + moved.size());
+  expect_error([&] { reader.repoint(1, moved.data(), 100); },
+               {"block 1 is not read from host memory"});
+  expect_error([&] { reader.repoint(0, memory.data(), memory.size() + 1); },
+               {"[blocks] block 0 cannot take 3001 bytes: a staging buffer holds 3000"});
+  reader.request(0);
+  expect_error([&] { reader.repoint(0, memory.data(), memory.size()); },
+               {"[blocks] block 0 is given a new place while a read of it is requested"});
+  reader.cancel();
+  reader.repoint(0, memory.data(), memory.size());
+}
+
 // The file source alone, as the ring's thread calls it: each block's ranges where they go, and
 // the next block's first parts read ahead only when the ring names it.
 TEST(FileSource, ReadsABlockAndAheadIntoTheBlockNamedNext) {

@@ -25,7 +25,7 @@ std::string compression_verdict(double raw, double compressed);
 // What the decision knows. Unknown facts are left at their defaults.
 struct CompressionFacts {
   bool can_decode = true;    // the backend has a decoder (Backend::can_decode)
-  uint64_t frozen_bytes = 0; // the frozen bytes compression may store (pinned host copies)
+  uint64_t frozen_bytes = 0; // the frozen bytes compression may store (host copies)
   uint64_t host_bytes = 0;   // every host copy's bytes, raw
   double ratio = 1;          // modelled (modelled_dtype_ratio, weighted by bytes)
   // Host memory the copies may take: the machine's available memory, the host budget.

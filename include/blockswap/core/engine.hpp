@@ -84,8 +84,8 @@ struct EngineOptions {
   // its device copy and the slots are never on the device together.
   bool slots_at_construction = true;
   // Note [compressed host copies] in host_store.cpp. on: the frozen bytes of every block in
-  // pinned host memory of the engine's own (and those of host_memory_compressed) are stored
-  // losslessly compressed (core/codec.hpp)
+  // host memory of the engine's own (pinned, or pageable and staged; not the file tier's), and
+  // those of host_memory_compressed, are stored losslessly compressed (core/codec.hpp)
   // from compress() (or the first prepare()) on, once the caller has filled them, and decoded on
   // the device at each load; a block that does not shrink stays raw. The backend must decode
   // (Backend::can_decode). automatic: off here; whoever builds the engine chooses on or off
@@ -125,7 +125,9 @@ struct Stats {
   uint64_t moves = 0;      // blocks loaded into a slot by a move (prepare not counted)
   uint64_t disk_bytes = 0; // bytes of the loads read from the file tier
   // Bytes of the loads staged from pageable host memory (Note [pageable host memory] in
-  // load_pipeline.cpp).
+  // load_pipeline.cpp), as h2d_bytes counts them: as they are in the slot. A compressed block's
+  // frozen bytes crossed the staging ring and the link compressed: they count in decoded_bytes
+  // and compressed_bytes as well.
   uint64_t staged_bytes = 0;
   // Of h2d_bytes: frozen bytes that crossed the link compressed and were decoded on the device,
   // and what crossed the link for them (EngineOptions::compress).

@@ -2,8 +2,8 @@
 // from the model's file (the file tier) past the page cache (Note [reading past the page
 // cache] in file_source.cpp), so that host memory stays what blockswap holds and the bandwidth
 // measured is the disk's; MemorySource copies them from host memory the system would not pin
-// (Note [pageable host memory] in load_pipeline.cpp). A compressed or remote source is one more
-// BlockSource here.
+// (Note [pageable host memory] in load_pipeline.cpp), compressed or not (a compressed host copy is
+// copied as it is, and decoded on the device). A remote source is one more BlockSource here.
 //
 // Every failure (a read error, a short read, the file changed or truncated under the run) is
 // an Error naming the file and the block.
@@ -120,9 +120,10 @@ class MemorySource final : public BlockSource {
 public:
   explicit MemorySource(std::vector<FileBlock> blocks) : blocks_(std::move(blocks)) {}
   void read(int64_t block, std::byte* into, const std::function<int64_t()>& next) override;
+  void repoint(int64_t block, const std::byte* memory, std::size_t bytes) override;
 
 private:
-  const std::vector<FileBlock> blocks_;
+  std::vector<FileBlock> blocks_; // repoint changes a block's, never while it is read
 };
 
 // The staging ring over the file and pageable memory that `spec` names (what

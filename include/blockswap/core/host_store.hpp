@@ -79,10 +79,11 @@ public:
   // compressed (core/codec.hpp; `ranges`: where its frozen bytes hold floating-point values)
   // when that makes them smaller: a new host buffer holds the compressed bytes, then its
   // trainable bytes (at trainable_at), and the raw one is freed. Returns whether it did; a block
-  // that does not shrink, or whose new buffer the system would not pin, stays as it is. Only
-  // for a pinned block of the store's own memory, once, after it was filled and before its
-  // first write-back.
-  bool compress(int64_t block, std::span<const codec::Range> ranges);
+  // that does not shrink, or whose new buffer the system would not pin, stays as it is, unless
+  // `staged` (its loads go through the staging ring: its new buffer may be pageable). Only for
+  // a block of the store's own memory, pinned unless `staged`, once, after it was filled and
+  // before its first write-back.
+  bool compress(int64_t block, std::span<const codec::Range> ranges, bool staged = false);
   // The same where the backend holds no bytes (Backend::holds_data: the timed device): block i's
   // frozen bytes take `compressed_bytes` (a model of what codec::encode gives), and parsed()
   // states only their decoded size. Returns whether it did (they are fewer than the raw ones).

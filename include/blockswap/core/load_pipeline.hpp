@@ -5,8 +5,8 @@
 // through the staging ring (core/staging_ring.hpp), which a reader fills ahead of the loads in
 // the order they will come (the schedule's pass), and the copy out of a staging buffer waits on
 // the copy stream for its read. A step that changes the bytes on their way (a decoder of
-// compressed weights) goes between the source and the copy (Note [a decode step] in
-// load_pipeline.cpp).
+// compressed weights) goes between the copy and the slot, from pinned host memory and from a
+// staging buffer alike (Note [a decode step] in load_pipeline.cpp).
 //
 // The engine keeps residency and calls the pipeline at four points: start_pass() with the loads
 // a pass starts with, copy_into() a slot, finish() a load before its block computes, and
@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -81,34 +82,28 @@ public:
   // Enqueues the copy of block i's bytes from its source into `slot` on the copy stream (and
   // its decode on the decode stream, Note [a decode step]), records `loaded` where the load
   // ends (the copy stream, or the decode stream after a decode) and returns at once, except
-  // that a block from pageable memory waits for its staging copy. Its trainable bytes are read
-  // where the store says they are freshest; a pending write-back of a staged block must have
-  // been waited for (the host reads them). Throws the read's error for a block from pageable
-  // memory; on a throw nothing was enqueued.
+  // that a block from pageable memory waits for its staging copy (compressed or not). Its trainable
+  // bytes are read where the store says they are freshest; a pending write-back of a staged block
+  // must have been waited for (the host reads them). Throws the read's error for a block from
+  // pageable memory; on a throw nothing was enqueued.
   void copy_into(int64_t block, std::byte* slot, Event& loaded) { // inline: every load
     if (staged(block)) {
-      copy_staged(block, slot);
+      copy_staged(block, slot, loaded);
     } else if (const HostStore::Source source = store_.load_source(block);
                source.compressed_bytes > 0) {
       copy_compressed(block, slot, source, loaded);
-      return;
-    } else if (source.contiguous()) {
-      backend_->copy_to_device(slot, source.frozen, store_.bytes(block), block);
     } else {
-      if (source.frozen_bytes > 0) {
-        backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
-      }
-      backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
-                               block);
+      copy_raw(block, slot, source);
+      backend_->record(loaded, Stream::copy);
     }
-    backend_->record(loaded, Stream::copy);
   }
   // Whether block i's loads end on the decode stream (its host copy is compressed).
-  bool decoded(int64_t block) const { return !staged(block) && store_.compressed(block); }
+  bool decoded(int64_t block) const { return store_.compressed(block); }
   // Note [compressed host copies] (host_store.cpp): stores the frozen bytes of every block that
-  // may be (pinned host memory of the store's own) compressed with `ranges[i]` (where its frozen
-  // bytes hold floating-point values), once the caller has filled them, and allocates the
-  // device buffer their loads decode from (Note [a decode step]). Once; throws Error when the
+  // may be (host memory of the store's own, pinned or staged; not the file) compressed with
+  // `ranges[i]` (where its frozen bytes hold floating-point values), once the caller has filled
+  // them, points the staging ring's reader at the staged ones' compressed bytes, and allocates
+  // the device buffers their loads decode from (Note [a decode step]). Once; throws Error when the
   // backend cannot decode, or `ranges` has not one entry per block. Where the backend holds no
   // bytes (the timed device), `modelled[i]` are block i's compressed frozen bytes instead
   // (HostStore::model_compressed; Error when empty).
@@ -122,6 +117,12 @@ public:
   static constexpr std::size_t kDecodeBuffers = 2;
   // The most compressed bytes a load may decode: one buffer's.
   std::size_t decode_capacity() const { return decode_buffers_[0].memory.size(); }
+  // Note [changed compressed weights] (host_store.cpp): HostStore::replace_frozen of compressed
+  // block i, at most decode_capacity() bytes compressed, with no copy ahead reading its host
+  // copy meanwhile; a staged block's reader reads the new one. Returns whether it is compressed.
+  // The caller has waited for its load and its pending write-back.
+  bool replace_frozen(int64_t block, std::span<const std::byte> raw,
+                      std::span<const codec::Range> ranges);
 
   // Block i is about to be computed: blocks the host until its read from the file (if any)
   // is done, and throws that read's error (after file_failed).
@@ -130,12 +131,15 @@ public:
   }
   // Block i left the device before it was computed: its read is no longer waited for.
   void forget(int64_t block);
-  // Runs `eviction` (which may write block `evicted`'s host bytes) with no copy ahead reading
-  // those bytes meanwhile (Note [pageable host memory]).
+  // Runs `eviction` (which may write block `evicted`'s host bytes, or replace its host copy:
+  // replace_frozen) with no copy ahead reading those bytes meanwhile (Note [pageable host
+  // memory]); within another hold_around, just runs it (the outer one holds the reads ahead).
   void hold_around(int64_t evicted, const std::function<void()>& eviction);
 
-  // Bytes copied into slots from the file, and from pageable memory through the ring.
-  // Frozen bytes of the loads that crossed the link compressed: as decoded, and as copied.
+  // Bytes copied into slots from the file, and from pageable memory through the ring (as they
+  // are in the slot: a compressed block's crossed the ring and the link compressed, and counts in
+  // the next two as well). Frozen bytes of the loads that crossed the link compressed: as
+  // decoded, and as copied.
   struct Counters {
     uint64_t disk_bytes = 0, staged_bytes = 0;
     uint64_t decoded_bytes = 0, compressed_bytes = 0;
@@ -146,9 +150,27 @@ public:
 private:
   void start_staging(const std::optional<FileTier>& file, const std::vector<int64_t>& priority);
   void read_ahead();
+  // Runs `change` with the reads ahead cancelled when `hold` (and not held already), then asks
+  // for them again; hold_around_all holds them all.
+  void held(bool hold, const std::function<void()>& change);
+  void hold_around_all(const std::function<void()>& change);
   // `wait`: the host waits for the read; else the copy stream will (Note [the file tier]).
   StagingReader::Staged take(int64_t block, bool wait);
-  void copy_staged(int64_t block, std::byte* slot);
+  // `source` as it is (uncompressed) into `slot`, on the copy stream.
+  void copy_raw(int64_t block, std::byte* slot, const HostStore::Source& source) {
+    if (source.contiguous()) {
+      backend_->copy_to_device(slot, source.frozen, store_.bytes(block), block);
+      return;
+    }
+    if (source.frozen_bytes > 0) {
+      backend_->copy_to_device(slot, source.frozen, source.frozen_bytes, block);
+    }
+    backend_->copy_to_device(slot + source.frozen_bytes, source.trainable, source.trainable_bytes,
+                             block);
+  }
+  void copy_staged(int64_t block, std::byte* slot, Event& loaded);
+  // `source`: the compressed frozen bytes and the trainable bytes, in pinned memory (the host
+  // copy, or the staging buffer a staged block was read into).
   void copy_compressed(int64_t block, std::byte* slot, const HostStore::Source& source,
                        Event& loaded);
   void finish_read(int64_t block);
@@ -163,6 +185,7 @@ private:
   std::vector<StagingReader::Staged> reads_; // per block: its load's read, not yet waited for
   std::size_t depth_ = 0;                    // the staging buffers: read-ahead's depth
   bool stages_memory_ = false;               // some staged blocks come from pageable memory
+  bool holding_ = false;                     // in hold_around, the reads ahead cancelled
   std::vector<int64_t> order_;               // the staged blocks a pass loads, in order
   std::size_t cursor_ = 0;                   // the next of them to request
   std::deque<int64_t> ahead_;                // requested from the reader, not yet taken

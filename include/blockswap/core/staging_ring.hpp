@@ -62,6 +62,11 @@ public:
   virtual void release(const Staged& staged, std::shared_ptr<const Event> copied = nullptr) = 0;
   // Forgets every requested block take() has not given.
   virtual void cancel() = 0;
+  // Block i, staged from host memory, is `bytes` bytes at `memory` from its next read on (its
+  // host copy was replaced: stored compressed, or encoded again; LoadPipeline::compress). Only
+  // while no read of it is requested (after cancel()). Throws Error for a block not read from
+  // host memory, one requested, or more bytes than a staging buffer holds.
+  virtual void repoint(int64_t block, const std::byte* memory, std::size_t bytes) = 0;
   virtual uint64_t bytes_read() const = 0;
 };
 
@@ -75,6 +80,10 @@ public:
   virtual void read(int64_t block, std::byte* into, const std::function<int64_t()>& next) = 0;
   // The ring stops: waits for the reads a source started ahead.
   virtual void stop() {}
+  // Block i's bytes are `bytes` at `memory` from its next read on (StagingReader::repoint; the
+  // ring calls it with no read of that block under way). Default: Error, the source does not
+  // read host memory.
+  virtual void repoint(int64_t block, const std::byte* memory, std::size_t bytes);
 };
 
 class StagingRing : public StagingReader {
@@ -104,6 +113,8 @@ public:
   // Forgets every requested block take() has not given (the caller's order changed): waits for
   // a read of one of them in flight, and frees their buffers.
   void cancel() override;
+  // Under the ring's lock, so that the thread's next read of the block sees the new place.
+  void repoint(int64_t block, const std::byte* memory, std::size_t bytes) override;
   uint64_t bytes_read() const override;
   int64_t blocks() const { return static_cast<int64_t>(bytes_.size()); }
 
@@ -139,8 +150,9 @@ private:
   void run();
   int64_t block_after() const; // the block asked for after the one being read (-1: none)
 
-  const std::vector<std::size_t> bytes_;
+  std::vector<std::size_t> bytes_; // under the lock: repoint changes them
   const std::vector<std::shared_ptr<BlockSource>> sources_;
+  std::size_t buffer_bytes_ = 0; // the smallest staging buffer's
   const std::string label_;
   Backend* backend_ = nullptr;
   const std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();

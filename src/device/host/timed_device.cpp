@@ -314,6 +314,21 @@ public:
     requests_.clear();
   }
 
+  // The modelled read takes the new size: a compressed block's read is its compressed bytes'.
+  void repoint(int64_t block, const std::byte* memory, std::size_t bytes) override {
+    BLOCKSWAP_CHECK(block >= 0 && block < static_cast<int64_t>(blocks_.size()) &&
+                        blocks_[block].memory != nullptr,
+                    "[", label_, "] block ", block,
+                    " is not read from host memory: only such a block can be given a new place "
+                    "to read from");
+    for (const Request& request : requests_) {
+      BLOCKSWAP_CHECK(request.block != block, "[", label_, "] block ", block,
+                      " is given a new place while a read of it is requested: cancel() first");
+    }
+    blocks_[block].memory = memory;
+    blocks_[block].bytes = bytes;
+  }
+
   uint64_t bytes_read() const override { return bytes_read_; }
 
 private:
