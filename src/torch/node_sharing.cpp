@@ -45,9 +45,8 @@ int64_t next_sequence(const std::string& label) {
   return built[label]++;
 }
 
-// What every rank's blocks must agree on: each tensor's name, place, shape and dtype, and
-// whether the copy is compressed.
-std::string fingerprint(const std::vector<BlockLayout>& layouts, bool compress) {
+// What every rank's blocks must agree on: each tensor's name, place, shape and dtype.
+std::string fingerprint(const std::vector<BlockLayout>& layouts) {
   std::ostringstream text;
   std::size_t bytes = 0;
   for (const BlockLayout& layout : layouts) {
@@ -62,8 +61,7 @@ std::string fingerprint(const std::vector<BlockLayout>& layouts, bool compress) 
   std::uint64_t hash = 1469598103934665603ull; // FNV-1a
   for (unsigned char c : text.str()) hash = (hash ^ c) * 1099511628211ull;
   std::ostringstream out;
-  out << layouts.size() << "-blocks-" << bytes << "-bytes-" << (compress ? "compressed-" : "")
-      << std::hex << hash;
+  out << layouts.size() << "-blocks-" << bytes << "-bytes-" << std::hex << hash;
   return out.str();
 }
 
@@ -139,7 +137,7 @@ NodeShare::NodeShare(NodeSharing sharing, std::string label)
 void NodeShare::open(const std::vector<BlockLayout>& layouts, bool compress,
                      const std::function<void(int64_t, std::byte*)>& pack) {
   compress_ = compress;
-  fingerprint_ = fingerprint(layouts, compress);
+  fingerprint_ = fingerprint(layouts);
   if (fills()) {
     if (compress) {
       fill_compressed(layouts, pack);
@@ -161,12 +159,16 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts, bool compress,
                                rest.empty() ? value : rest));
   }
   const auto [their_fingerprint, sizes_and_ticket] = split_word(rest);
-  const auto without_compression = [](std::string text) {
-    const auto at = text.find("compressed-");
-    return at == std::string::npos ? text : text.erase(at, std::string("compressed-").size());
-  };
-  if (their_fingerprint != fingerprint_ &&
-      without_compression(their_fingerprint) == without_compression(fingerprint_)) {
+  if (their_fingerprint != fingerprint_) {
+    fail("its blocks differ from local rank 0's");
+    throw Error(detail::concat(
+        "[", label_, "] this rank's blocks (", fingerprint_, ") differ from local rank 0's (",
+        their_fingerprint,
+        "): every rank of the node must build its offloaders over the same model, with the "
+        "same frozen tensors, in the same order"));
+  }
+  const auto [sizes, ticket] = split_word(sizes_and_ticket);
+  if ((sizes != "raw") != compress) { // local rank 0 compressed the copy, or did not
     fail(detail::concat("its compress option (", compress ? "on" : "off",
                         ") differs from local rank 0's"));
     throw Error(detail::concat("[", label_, "] this rank's compress option (",
@@ -175,15 +177,6 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts, bool compress,
                                "): every rank of the node must pass the same compress option, "
                                "as local rank 0 compresses the node's one copy or not"));
   }
-  if (their_fingerprint != fingerprint_) {
-    fail("its blocks differ from local rank 0's");
-    throw Error(detail::concat(
-        "[", label_, "] this rank's blocks (", fingerprint_, ") differ from local rank 0's (",
-        their_fingerprint,
-        "): every rank of the node must build its offloaders over the same model, with the "
-        "same frozen tensors, in the same order, and the same compress option"));
-  }
-  const auto [sizes, ticket] = split_word(sizes_and_ticket);
   try {
     compressed_ = parse_sizes(sizes, compress ? layouts.size() : 0);
     memory_ = std::make_shared<NodeMemory>(NodeMemory::open(NodeMemoryTicket::parse(ticket)));
@@ -203,9 +196,9 @@ void NodeShare::open(const std::vector<BlockLayout>& layouts, bool compress,
 // encoded; then the memory is created at the encoded sizes and each block copied in, its encoded
 // bytes freed as it goes. The peak is the compressed copy and one raw block (the memory's pages
 // are touched only as they are written), where the raw copy would be the whole model. A block
-// that does not shrink is stored raw. The ticket carries each block's compressed size, and the
-// fingerprint says that the copy is compressed: a rank whose compress option differs from local
-// rank 0's is refused, as one whose blocks differ is. Nothing writes the copy after: a frozen
+// that does not shrink is stored raw. The ticket carries each block's compressed size ("raw"
+// for a copy not compressed): a rank whose compress option differs from local rank 0's is
+// refused, as one whose blocks differ is. Nothing writes the copy after: a frozen
 // weight changed after the offloader is built raises (BlockBinder::save_changes), as it does
 // for the raw copy.
 void NodeShare::fill_compressed(const std::vector<BlockLayout>& layouts,

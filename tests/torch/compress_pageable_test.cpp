@@ -47,16 +47,23 @@ void expect_pageable_compressed(const ModelOffloader& offloader) {
   EXPECT_GT(offloader.stats().decoded_bytes, 0u);
 }
 
-void to_bf16(Model& model) {
-  for (auto& b : model.blocks) b->to(torch::kBFloat16);
-}
+// The model and its twin without blockswap in bf16, and bf16 inputs.
+struct Bf16Run {
+  Model reference{kBlocks}, model{kBlocks};
+  torch::Tensor x, context;
+  Bf16Run() {
+    for (Model* m : {&reference, &model}) {
+      for (auto& b : m->blocks) b->to(torch::kBFloat16);
+    }
+    const Inputs in;
+    x = in.x.to(torch::kBFloat16);
+    context = in.context.to(torch::kBFloat16);
+  }
+};
 
 TEST_F(CompressedPageable, InferenceIsBitwiseTheRunWithoutBlockswap) {
-  Model reference(kBlocks), model(kBlocks);
-  to_bf16(reference);
-  to_bf16(model);
-  Inputs in;
-  const torch::Tensor x = in.x.to(torch::kBFloat16), context = in.context.to(torch::kBFloat16);
+  Bf16Run run;
+  auto& [reference, model, x, context] = run;
   torch::NoGradGuard no_grad;
   const torch::Tensor expected = reference.forward(x, context);
   ModelOffloader offloader("blocks", model.modules(), capped(3, false, model));
@@ -85,11 +92,8 @@ TEST_F(CompressedPageable, LoraTrainingIsBitwiseTheRunWithoutBlockswap) {
 // Note [changed compressed weights]: a frozen weight of a block off the device, assigned whole
 // between passes, is encoded again, and the staging ring reads the block's new host copy.
 TEST_F(CompressedPageable, FrozenWeightsAssignedBetweenPassesStayExact) {
-  Model reference(kBlocks), model(kBlocks);
-  to_bf16(reference);
-  to_bf16(model);
-  Inputs in;
-  const torch::Tensor x = in.x.to(torch::kBFloat16), context = in.context.to(torch::kBFloat16);
+  Bf16Run run;
+  auto& [reference, model, x, context] = run;
   torch::NoGradGuard no_grad;
   ModelOffloader offloader("blocks", model.modules(), capped(3, false, model));
   offloader.prepare_block_devices_before_forward();
